@@ -1,0 +1,10 @@
+"""The SGLang plugin entry point (group `sglang.srt.plugins`), run in every SGLang process."""
+
+from __future__ import annotations
+
+
+def load() -> None:
+    from pdd.srt import cpu_disagg, flags
+
+    flags.register()
+    cpu_disagg.register()
