@@ -1,0 +1,155 @@
+"""A same-datacenter PD deployment on this machine: prefill + decode (mooncake_tcp) + router.
+
+    python -m pdd.launch.pd_local up --model DIR      # start, wait until it serves, return
+    python -m pdd.launch.pd_local status
+    python -m pdd.launch.pd_local down                # stop everything it started
+
+`up` records each process group in RUN_DIR/state.json; `down` stops those groups, so it also
+cleans up after a launcher that crashed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdd.launch.process import free_port, group_alive, stop_groups
+from pdd.launch.servers import SERVER_START_TIMEOUT_S, PDRouter, SGLangServer
+
+DEFAULT_RUN_DIR = Path("runs/pd_local")
+STATE_FILE = "state.json"
+
+
+def generate(url: str, payload: dict, timeout: float = 120.0) -> dict:
+    req = urllib.request.Request(
+        f"{url}/generate",
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def wait_serving(url: str, timeout: float) -> None:
+    """The router answers /health before it has registered its workers: wait for a real answer."""
+    deadline = time.monotonic() + timeout
+    probe = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}
+    while True:
+        try:
+            generate(url, probe, timeout=30)
+            return
+        except OSError as err:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} not serving after {timeout:.0f}s: {err}") from err
+            time.sleep(1.0)
+
+
+@dataclass
+class LocalPD:
+    prefill: SGLangServer
+    decode: SGLangServer
+    router: PDRouter
+
+    @classmethod
+    def create(cls, model: Path, run_dir: Path, ports: dict[str, int] | None = None) -> LocalPD:
+        ports = ports or {}
+        get = lambda name: ports.get(name) or free_port()  # noqa: E731
+        prefill = SGLangServer(
+            "prefill", model, get("prefill"), run_dir, mode="prefill",
+            bootstrap_port=get("bootstrap"),
+        )  # fmt: skip
+        decode = SGLangServer("decode", model, get("decode"), run_dir, mode="decode")
+        router = PDRouter("router", get("router"), run_dir, [prefill], [decode])
+        return cls(prefill, decode, router)
+
+    @property
+    def url(self) -> str:
+        return self.router.url
+
+    def up(self, timeout: float = SERVER_START_TIMEOUT_S) -> dict[str, float]:
+        """Start all parts (servers in parallel), wait until the router serves; start-up seconds."""
+        start = time.monotonic()
+        self.prefill.start()
+        self.decode.start()
+        self.router.start()
+        try:
+            times = {"prefill": self.prefill.wait_ready(timeout)}
+            times["decode"] = max(self.decode.wait_ready(timeout), times["prefill"])
+            self.router.wait_ready(timeout)
+            wait_serving(self.url, timeout)
+            times["deployment"] = time.monotonic() - start
+        except BaseException:
+            self.down()
+            raise
+        return times
+
+    def parts(self) -> list[SGLangServer | PDRouter]:
+        return [self.router, self.decode, self.prefill]
+
+    def pgids(self) -> dict[str, int]:
+        return {p.name: p.process.pgid for p in self.parts() if p.process is not None}
+
+    def down(self) -> None:
+        stop_groups(list(self.pgids().values()))
+
+    def save_state(self, run_dir: Path) -> None:
+        state = {"url": self.url, "groups": self.pgids()}
+        (run_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+
+
+def load_state(run_dir: Path) -> dict:
+    path = run_dir / STATE_FILE
+    if not path.exists():
+        return {"groups": {}}
+    return json.loads(path.read_text())
+
+
+def cmd_up(args: argparse.Namespace) -> None:
+    if any(group_alive(g) for g in load_state(args.run_dir)["groups"].values()):
+        raise SystemExit(f"a deployment from {args.run_dir} is still running: run `down` first")
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    ports = {"router": args.port} if args.port else None
+    pd = LocalPD.create(args.model, args.run_dir, ports)
+    times = pd.up()
+    pd.save_state(args.run_dir)
+    print(f"router serving at {pd.url}; logs in {args.run_dir}")
+    print("start-up seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
+
+
+def cmd_status(args: argparse.Namespace) -> None:
+    state = load_state(args.run_dir)
+    if not state["groups"]:
+        print("no deployment recorded")
+    for name, pgid in state["groups"].items():
+        print(f"{name:8s} pgid {pgid:7d} {'running' if group_alive(pgid) else 'stopped'}")
+
+
+def cmd_down(args: argparse.Namespace) -> None:
+    groups = load_state(args.run_dir)["groups"]
+    stop_groups(list(groups.values()))
+    for name, pgid in groups.items():
+        print(f"stopped {name} (pgid {pgid})")
+    (args.run_dir / STATE_FILE).unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m pdd.launch.pd_local", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start the deployment and wait until it serves")
+    up.add_argument("--model", type=Path, required=True)
+    up.add_argument("--port", type=int, default=None, help="router port (default: a free one)")
+    up.set_defaults(func=cmd_up)
+    sub.add_parser("status").set_defaults(func=cmd_status)
+    sub.add_parser("down").set_defaults(func=cmd_down)
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

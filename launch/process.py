@@ -1,0 +1,131 @@
+"""Start, watch and stop server processes, each in its own process group (so no orphans)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STOP_TIMEOUT_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def reap(pid: int) -> None:
+    """Collect an exited child of ours, which would otherwise keep its group looking alive."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def group_alive(pgid: int) -> bool:
+    reap(pgid)
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_groups(pgids: list[int], timeout: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM each group's leader (SGLang then stops its own children), SIGKILL what remains.
+
+    All groups are signalled first and waited for together, so stopping N servers takes as long
+    as the slowest one, not the sum.
+    """
+    for pgid in pgids:
+        try:
+            os.kill(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    for wait, sig in ((timeout, signal.SIGKILL), (5.0, None)):
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not any(group_alive(g) for g in pgids):
+                return
+            time.sleep(0.1)
+        if sig is not None:
+            for pgid in pgids:
+                try:
+                    os.killpg(pgid, sig)
+                except ProcessLookupError:
+                    pass
+    survivors = [g for g in pgids if group_alive(g)]
+    raise RuntimeError(f"process groups {survivors} survived SIGKILL")
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    popen: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pgid(self) -> int:
+        assert self.popen is not None, f"{self.name} was never started"
+        return self.popen.pid  # a session leader's pid is its group id
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.popen = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+                start_new_session=True,
+            )
+
+    def exited(self) -> bool:
+        return self.popen is not None and self.popen.poll() is not None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_http_ok(self, url: str, timeout: float) -> float:
+        """Poll `url` until it answers 200; returns the seconds it took. Fails fast on exit."""
+        start = time.monotonic()
+        while True:
+            if self.exited():
+                raise RuntimeError(
+                    f"{self.name} exited with code {self.popen.returncode if self.popen else '?'} "
+                    f"before {url} was ready; log {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=5) as resp:
+                    if resp.status == 200:
+                        return time.monotonic() - start
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() - start > timeout:
+                raise TimeoutError(
+                    f"{self.name} not ready at {url} after {timeout:.0f}s; log {self.log_path}:\n"
+                    f"{self.log_tail()}"
+                )
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.popen is None:
+            return
+        stop_groups([self.pgid])
+        self.popen.wait(timeout=5)

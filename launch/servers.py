@@ -1,0 +1,102 @@
+"""Command lines for SGLang servers and SGLang's PD router, as this project launches them."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdd.launch.process import ManagedProcess
+from pdd.srt.cpu_support import has_gpu
+
+# The KV pool of a CPU server otherwise takes ~15 GB of RAM.
+CPU_MAX_TOTAL_TOKENS = 8192
+SERVER_START_TIMEOUT_S = 300.0
+
+
+def device_env() -> dict[str, str]:
+    """SGLang reads SGLANG_USE_CPU_ENGINE at import time, so it must be set before start."""
+    return {} if has_gpu() else {"SGLANG_USE_CPU_ENGINE": "1"}
+
+
+@dataclass
+class SGLangServer:
+    """One `python -m sglang.launch_server` process (colocated, prefill or decode)."""
+
+    name: str
+    model: Path
+    port: int
+    log_dir: Path
+    host: str = "127.0.0.1"
+    mode: str | None = None  # None (colocated), "prefill" or "decode"
+    bootstrap_port: int | None = None
+    transfer_backend: str = "mooncake_tcp"
+    extra_args: list[str] = field(default_factory=list)
+    process: ManagedProcess | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def argv(self) -> list[str]:
+        argv = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", str(self.model),
+            "--host", self.host,
+            "--port", str(self.port),
+        ]  # fmt: skip
+        if not has_gpu():
+            # An idle scheduler otherwise busy-polls a whole core; CPU machines here have two.
+            argv += ["--device", "cpu", "--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS)]
+            argv += ["--sleep-on-idle"]
+        if self.mode is not None:
+            argv += [
+                "--disaggregation-mode", self.mode,
+                "--disaggregation-transfer-backend", self.transfer_backend,
+            ]  # fmt: skip
+        if self.bootstrap_port is not None:
+            argv += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
+        return argv + self.extra_args
+
+    def start(self) -> None:
+        self.process = ManagedProcess(
+            self.name, self.argv(), self.log_dir / f"{self.name}.log", device_env()
+        )
+        self.process.start()
+
+    def wait_ready(self, timeout: float = SERVER_START_TIMEOUT_S) -> float:
+        assert self.process is not None
+        return self.process.wait_http_ok(f"{self.url}/health", timeout)
+
+
+@dataclass
+class PDRouter:
+    """SGLang's router (PyPI sglang-router) in prefill-decode mode."""
+
+    name: str
+    port: int
+    log_dir: Path
+    prefill: list[SGLangServer]
+    decode: list[SGLangServer]
+    host: str = "127.0.0.1"
+    process: ManagedProcess | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def argv(self) -> list[str]:
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+        for p in self.prefill:
+            argv += ["--prefill", p.url, str(p.bootstrap_port)]
+        for d in self.decode:
+            argv += ["--decode", d.url]
+        return argv + ["--host", self.host, "--port", str(self.port)]
+
+    def start(self) -> None:
+        self.process = ManagedProcess(self.name, self.argv(), self.log_dir / f"{self.name}.log")
+        self.process.start()
+
+    def wait_ready(self, timeout: float = SERVER_START_TIMEOUT_S) -> float:
+        assert self.process is not None
+        return self.process.wait_http_ok(f"{self.url}/health", timeout)

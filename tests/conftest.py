@@ -1,0 +1,44 @@
+"""Shared fixtures: the tiny model and real SGLang servers, started once per module."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pdd.launch.pd_local import LocalPD
+from pdd.launch.process import free_port
+from pdd.launch.servers import SGLangServer
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """PDD_TINY_MODEL (built by the test script) or a fresh build; both are byte-identical."""
+    given = os.environ.get("PDD_TINY_MODEL")
+    if given:
+        return Path(given)
+    from pdd.models.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def colocated_and_pd(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[SGLangServer, LocalPD]]:
+    """A colocated server and a P + D (mooncake_tcp) + router deployment, started together."""
+    run_dir = tmp_path_factory.mktemp("servers")
+    colocated = SGLangServer("colocated", tiny_model, free_port(), run_dir)
+    pd = LocalPD.create(tiny_model, run_dir)
+    colocated.start()
+    try:
+        times = pd.up()
+        times["colocated"] = colocated.wait_ready()
+        print("start-up seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
+        yield colocated, pd
+    finally:
+        pd.down()
+        if colocated.process is not None:
+            colocated.process.stop()

@@ -1,0 +1,38 @@
+"""`python -m pdd.launch.pd_local up/status/down` brings a real P + D + router up and leaves nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from pdd.launch.pd_local import STATE_FILE, generate
+from pdd.launch.process import group_alive
+
+CLI = [sys.executable, "-m", "pdd.launch.pd_local"]
+
+
+def cli(run_dir: Path, *args: str, timeout: float = 400) -> str:
+    out = subprocess.run(
+        [*CLI, "--run-dir", str(run_dir), *args], capture_output=True, text=True, timeout=timeout
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_up_serves_then_down_leaves_no_process(tiny_model: Path, tmp_path: Path) -> None:
+    print(cli(tmp_path, "up", "--model", str(tiny_model)))
+    state = json.loads((tmp_path / STATE_FILE).read_text())
+    groups = state["groups"]
+    try:
+        assert set(groups) == {"prefill", "decode", "router"}
+        assert cli(tmp_path, "status").count("running") == 3
+        out = generate(state["url"], {"input_ids": list(range(5, 40)),
+                                      "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+        assert len(out["output_ids"]) == 8
+    finally:
+        print(cli(tmp_path, "down"))
+    assert not [name for name, pgid in groups.items() if group_alive(pgid)]
+    assert not (tmp_path / STATE_FILE).exists()
+    assert "no deployment recorded" in cli(tmp_path, "status")

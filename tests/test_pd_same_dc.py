@@ -1,0 +1,68 @@
+"""Greedy output through real P -> D (mooncake_tcp) + router equals a colocated server's."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from pdd.launch.pd_local import LocalPD, generate
+from pdd.launch.servers import SGLangServer
+from pdd.models.tiny import VOCAB_SIZE
+
+MAX_NEW_TOKENS = 24
+# Lengths 8..1000; the last two extend the 1000-token prompt, so they hit the prefix cache.
+LENGTHS = [8, 61, 181, 400, 700, 1000]
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
+
+
+def prompts() -> list[list[int]]:
+    base = [random_ids(n, seed=n) for n in LENGTHS]
+    longest = base[-1]
+    return base + [longest + random_ids(20, seed=1), longest[:900] + random_ids(50, seed=2)]
+
+
+def greedy(url: str, ids: list[int]) -> dict:
+    payload = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True},
+    }
+    return generate(url, payload)
+
+
+@pytest.fixture(scope="module")
+def reference(colocated_and_pd: tuple[SGLangServer, LocalPD]) -> dict[int, dict]:
+    colocated, _ = colocated_and_pd
+    return {i: greedy(colocated.url, ids) for i, ids in enumerate(prompts())}
+
+
+def test_pd_equals_colocated(
+    colocated_and_pd: tuple[SGLangServer, LocalPD], reference: dict[int, dict]
+) -> None:
+    _, pd = colocated_and_pd
+    for i, ids in enumerate(prompts()):
+        got = greedy(pd.url, ids)
+        assert len(got["output_ids"]) == MAX_NEW_TOKENS
+        assert got["output_ids"] == reference[i]["output_ids"], f"prompt {i} ({len(ids)} tokens)"
+
+
+def test_repeated_prefix_hits_cache(reference: dict[int, dict]) -> None:
+    # On the colocated reference server, the prompts that extend the 1000-token one reuse it.
+    assert reference[len(LENGTHS)]["meta_info"]["cached_tokens"] >= 1000
+    assert reference[len(LENGTHS) + 1]["meta_info"]["cached_tokens"] >= 900
+
+
+def test_16_concurrent_requests_through_router(
+    colocated_and_pd: tuple[SGLangServer, LocalPD],
+) -> None:
+    colocated, pd = colocated_and_pd
+    batch = [random_ids(30 + 7 * k, seed=100 + k) for k in range(16)]
+    expected = [greedy(colocated.url, ids)["output_ids"] for ids in batch]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        got = list(pool.map(lambda ids: greedy(pd.url, ids)["output_ids"], batch))
+    assert got == expected

@@ -1,0 +1,53 @@
+"""The plugin's --pdd-* flags as SGLang's own launcher sees them (real `sglang.launch_server`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdd.launch.servers import device_env
+
+LAUNCH = [sys.executable, "-m", "sglang.launch_server"]
+
+
+def launch(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    import os
+
+    return subprocess.run(
+        LAUNCH + args,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **device_env()},
+    )
+
+
+def test_help_lists_pdd_flags() -> None:
+    out = launch(["--help"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--pdd-role {prefill,relay,main}" in out.stdout
+    assert "RelayDecode" in out.stdout
+
+
+def test_bad_role_is_rejected_naming_the_flag(tiny_model: Path) -> None:
+    out = launch(["--model-path", str(tiny_model), "--pdd-role", "colocated"])
+    assert out.returncode != 0
+    assert "--pdd-role" in out.stderr and "invalid choice: 'colocated'" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("role", "mode", "needed"),
+    [("prefill", "decode", "prefill"), ("relay", "prefill", "decode"), ("main", None, "decode")],
+)
+def test_role_must_match_disaggregation_mode(
+    tiny_model: Path, role: str, mode: str | None, needed: str
+) -> None:
+    args = ["--model-path", str(tiny_model), "--pdd-role", role]
+    if mode is not None:
+        args += ["--disaggregation-mode", mode]
+    out = launch(args)
+    assert out.returncode != 0
+    assert f"--pdd-role {role} needs --disaggregation-mode {needed}" in out.stderr
