@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdd.launch.pd_local import LocalPD
-from pdd.launch.process import free_port
+from pdd.launch.process import free_port, stop_groups
 from pdd.launch.servers import SGLangServer
 
 
@@ -39,6 +39,7 @@ def colocated_and_pd(
         print("start-up seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
         yield colocated, pd
     finally:
-        pd.down()
+        groups = list(pd.pgids().values())
         if colocated.process is not None:
-            colocated.process.stop()
+            groups.append(colocated.process.pgid)
+        stop_groups(groups)
