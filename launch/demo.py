@@ -53,8 +53,11 @@ def chat(url: str, question: str, max_tokens: int) -> tuple[str, float, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pdd.launch.demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m pdd.launch.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--model", type=Path, default=Path("models/smollm2"))
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--run-dir", type=Path, default=None, help="logs (default: a temp dir)")

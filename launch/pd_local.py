@@ -137,8 +137,11 @@ def cmd_down(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pdd.launch.pd_local", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m pdd.launch.pd_local",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start the deployment and wait until it serves")

@@ -24,8 +24,9 @@ def test_copy_all_layer_kv_cache_moves_rows_in_every_layer() -> None:
     before = [t.clone() for t in layers]
     ptrs = torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64)
     strides = torch.tensor([t.stride(0) * t.element_size() for t in layers], dtype=torch.int64)
-    cpu_kernels.copy_all_layer_kv_cache_cpu(ptrs, strides, torch.tensor([5, 7]), torch.tensor([1, 2]))
-    for t, b in zip(layers, before):
+    tgt, src = torch.tensor([5, 7]), torch.tensor([1, 2])
+    cpu_kernels.copy_all_layer_kv_cache_cpu(ptrs, strides, tgt, src)
+    for t, b in zip(layers, before, strict=True):
         assert torch.equal(t[5], b[1]) and torch.equal(t[7], b[2])
         assert torch.equal(t[:5], b[:5]) and torch.equal(t[6], b[6])
 

@@ -1,4 +1,4 @@
-"""`python -m pdd.launch.pd_local up/status/down` brings a real P + D + router up and leaves nothing."""
+"""`python -m pdd.launch.pd_local up/status/down`: a real P + D + router, then nothing left."""
 
 from __future__ import annotations
 
@@ -28,8 +28,13 @@ def test_up_serves_then_down_leaves_no_process(tiny_model: Path, tmp_path: Path)
     try:
         assert set(groups) == {"prefill", "decode", "router"}
         assert cli(tmp_path, "status").count("running") == 3
-        out = generate(state["url"], {"input_ids": list(range(5, 40)),
-                                      "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+        out = generate(
+            state["url"],
+            {
+                "input_ids": list(range(5, 40)),
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+            },
+        )
         assert len(out["output_ids"]) == 8
     finally:
         print(cli(tmp_path, "down"))

@@ -41,7 +41,7 @@ def make_smollm2(out: Path) -> Path:
     allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if set(result.missing_keys) - allowed_missing or result.unexpected_keys:
         raise RuntimeError(f"GGUF tensors do not match LlamaForCausalLM: {result}")
-    model = model.to(torch.bfloat16)
+    model = model.bfloat16()
     model.generation_config = GenerationConfig.from_model_config(config)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)

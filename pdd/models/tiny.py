@@ -32,10 +32,10 @@ def make_tiny(out: Path) -> Path:
         bos_token_id=tokenizer.token_to_id(ENDOFTEXT),
         eos_token_id=tokenizer.token_to_id(IM_END),
         pad_token_id=tokenizer.token_to_id(ENDOFTEXT),
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
     )
     torch.manual_seed(SEED)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model = Qwen2ForCausalLM(config).bfloat16()
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, do_sample=False
     )

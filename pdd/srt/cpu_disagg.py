@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -32,7 +33,9 @@ def adjust_cpu_args(args: argparse.Namespace) -> None:
         logger.info("pdd cpu: prefill on CPU runs with --disable-overlap-schedule")
     if mode == "decode" and args.disaggregation_decode_retraction_backup is None:
         args.disaggregation_decode_retraction_backup = "cpu_tensor"
-        logger.info("pdd cpu: decode on CPU uses --disaggregation-decode-retraction-backup cpu_tensor")
+        logger.info(
+            "pdd cpu: decode on CPU uses --disaggregation-decode-retraction-backup cpu_tensor"
+        )
 
 
 @functools.cache

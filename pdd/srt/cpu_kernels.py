@@ -26,7 +26,7 @@ def assign_req_to_token_pool_cpu(
     del pool_len  # implied by req_to_token's shape
     cursor = 0
     for row, start, end in zip(
-        req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()
+        req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist(), strict=True
     ):
         n = end - start
         req_to_token[row, start:end] = out_cache_loc[cursor : cursor + n].to(req_to_token.dtype)
@@ -37,8 +37,8 @@ def copy_all_layer_kv_cache_cpu(
     data_ptrs: torch.Tensor, strides: torch.Tensor, tgt_loc: torch.Tensor, src_loc: torch.Tensor
 ) -> None:
     """Copy KV rows src_loc -> tgt_loc in every layer buffer, given raw pointers and row strides."""
-    for base, stride in zip(data_ptrs.tolist(), strides.tolist()):
-        for src, tgt in zip(src_loc.tolist(), tgt_loc.tolist()):
+    for base, stride in zip(data_ptrs.tolist(), strides.tolist(), strict=True):
+        for src, tgt in zip(src_loc.tolist(), tgt_loc.tolist(), strict=True):
             ctypes.memmove(base + tgt * stride, base + src * stride, stride)
 
 
