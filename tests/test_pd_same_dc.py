@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -51,10 +52,21 @@ def test_pd_equals_colocated(
         assert got["output_ids"] == reference[i]["output_ids"], f"prompt {i} ({len(ids)} tokens)"
 
 
-def test_repeated_prefix_hits_cache(reference: dict[int, dict]) -> None:
+def test_repeated_prefix_hits_cache(
+    colocated_and_pd: tuple[SGLangServer, LocalPD], reference: dict[int, dict]
+) -> None:
     # On the colocated reference server, the prompts that extend the 1000-token one reuse it.
     assert reference[len(LENGTHS)]["meta_info"]["cached_tokens"] >= 1000
     assert reference[len(LENGTHS) + 1]["meta_info"]["cached_tokens"] >= 900
+    # Through P -> D, the prefill server reuses it too (its batch log counts cached tokens).
+    _, pd = colocated_and_pd
+    longest = random_ids(LENGTHS[-1], seed=LENGTHS[-1])
+    greedy(pd.url, longest)
+    greedy(pd.url, longest + random_ids(30, seed=3))
+    assert pd.prefill.process is not None
+    log = pd.prefill.process.log_path.read_text()
+    cached = [int(m) for m in re.findall(r"#cached-token: (\d+)", log)]
+    assert max(cached) >= 1000, cached
 
 
 def test_16_concurrent_requests_through_router(
