@@ -59,9 +59,11 @@ class SGLangServer:
         return argv + self.extra_args
 
     def start(self) -> None:
-        self.process = ManagedProcess(
-            self.name, self.argv(), self.log_dir / f"{self.name}.log", device_env()
-        )
+        # Mooncake advertises SGLANG_HOST_IP to its peers; without it SGLang guesses from the
+        # NICs, which may not be the address this server was asked to serve on.
+        env = {**device_env(), "SGLANG_HOST_IP": self.host}
+        log = self.log_dir / f"{self.name}.log"
+        self.process = ManagedProcess(self.name, self.argv(), log, env)
         self.process.start()
 
     def wait_ready(self, timeout: float = SERVER_START_TIMEOUT_S) -> float:
