@@ -1,0 +1,259 @@
+"""Mooncake TCP across the emulated WAN: bulk writes from datacenter A to datacenter B.
+
+    python -m pdd.eval.bench_wan_mooncake [--mib 64] [--rate-mbit 200] [--delay-ms 20]
+
+Needs root. Brings up its own testbed (`pdd.launch.testbed`, name `pddbench`), starts a
+receiver in B and a sender in A, each a Mooncake TransferEngine over TCP that announces its
+datacenter's WAN address. The receiver registers a buffer and reports its address and RPC port
+(out of band, through this process); the sender writes a fresh random payload into it with one
+`transfer_sync_write`, once "cold" on a fresh engine (connection set-up and TCP start-up
+included), then three times "warm" on the connection the first write opened, as between
+long-running prefill and decode servers. After each write the receiver hashes its buffer and
+clears it. The table shows each write's rate, its ratio to the link rate (target: a median
+warm ratio >= 0.85) and the CPU the WAN daemon spent meanwhile. The testbed is removed at the
+end, also on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import select
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import IO, Any
+
+import numpy as np
+
+from pdd.launch.testbed import Testbed
+from pdd.launch.wan import LinkParams
+
+MODULE = "pdd.eval.bench_wan_mooncake"
+MARK = "RESULT "  # our lines on stdout; Mooncake may print its own
+TARGET_RATIO = 0.85
+TIMEOUT_S = 120.0
+WARM_ROUNDS = 3
+
+
+@dataclass
+class TransferResult:
+    round: str  # "cold": a fresh engine, so connection set-up and TCP start-up; "warm": again
+    nbytes: int
+    link_mbit: float
+    rtt_ms: float
+    seconds: float
+    intact: bool
+    daemon_cpu: float  # cores the WAN daemon used during the write
+
+    @property
+    def achieved_mbit(self) -> float:
+        return self.nbytes * 8 / self.seconds / 1e6
+
+    @property
+    def ratio(self) -> float:
+        return self.achieved_mbit / self.link_mbit
+
+
+def emit(record: dict[str, Any]) -> None:
+    print(MARK + json.dumps(record), flush=True)
+
+
+def start_engine(ip: str) -> Any:
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    rc = engine.initialize(ip, "P2PHANDSHAKE", "tcp", "")
+    if rc != 0:
+        raise RuntimeError(f"TransferEngine.initialize({ip}) returned {rc}")
+    return engine
+
+
+def register(engine: Any, buf: np.ndarray) -> int:
+    addr = int(buf.ctypes.data)
+    if engine.register_memory(addr, buf.nbytes) != 0:
+        raise RuntimeError(f"register_memory of {buf.nbytes} bytes failed")
+    return addr
+
+
+def receive(ip: str, nbytes: int) -> None:
+    engine = start_engine(ip)
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    emit({"rpc_port": engine.get_rpc_port(), "addr": register(engine, buf)})
+    while sys.stdin.readline():  # a write has finished: hash it, then clear for the next
+        emit({"sha256": hashlib.sha256(buf.data).hexdigest()})
+        buf[:] = 0
+
+
+def send(ip: str, peer: str, remote_addr: int, nbytes: int, seed: int) -> None:
+    engine = start_engine(ip)
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    local = register(engine, buf)
+    rng = np.random.default_rng(seed)
+    while True:  # one write per round, until the input ends
+        buf[:] = np.frombuffer(rng.bytes(nbytes), dtype=np.uint8)  # a new payload each round
+        start = time.monotonic()
+        rc = engine.transfer_sync_write(peer, local, remote_addr, nbytes)
+        seconds = time.monotonic() - start
+        emit({"rc": rc, "seconds": seconds, "sha256": hashlib.sha256(buf.data).hexdigest()})
+        if rc != 0 or not sys.stdin.readline():  # wait until the receiver has checked it
+            return
+
+
+def read_result(proc: subprocess.Popen[bytes], log: IO[bytes], timeout: float) -> dict[str, Any]:
+    """The next result line of `proc` (started unbuffered, so select() sees every line)."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+            raise TimeoutError(f"no result after {timeout:.0f}s:\n{tail(log)}")
+        line = proc.stdout.readline().decode(errors="replace")
+        if not line:
+            raise RuntimeError(f"exited with code {proc.wait(timeout=5)}:\n{tail(log)}")
+        if line.startswith(MARK):
+            return json.loads(line[len(MARK) :])
+
+
+def tail(log: IO[bytes], nbytes: int = 3000) -> str:
+    log.seek(0, os.SEEK_END)
+    log.seek(max(0, log.tell() - nbytes))
+    return log.read().decode(errors="replace")
+
+
+def transfer(
+    tb: Testbed, nbytes: int, warm_rounds: int = WARM_ROUNDS, seed: int = 0,
+    timeout: float = TIMEOUT_S,
+) -> list[TransferResult]:  # fmt: skip
+    """Write `nbytes` from a Mooncake engine in A to one in B across the testbed's WAN: a cold
+    write, then `warm_rounds` more on the same connection."""
+    python = [sys.executable, "-m", MODULE]
+    procs: list[subprocess.Popen[bytes]] = []
+    results = []
+    with tempfile.TemporaryFile() as log:
+        try:
+            receiver = tb.popen(
+                "b", [*python, "receive", "--ip", tb.ip("b"), "--nbytes", str(nbytes)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, bufsize=0,
+            )  # fmt: skip
+            procs.append(receiver)
+            where = read_result(receiver, log, timeout)
+            sender = tb.popen(
+                "a", [*python, "send", "--ip", tb.ip("a"), "--peer",
+                      f"{tb.ip('b')}:{where['rpc_port']}", "--remote-addr", str(where["addr"]),
+                      "--nbytes", str(nbytes), "--seed", str(seed)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, bufsize=0,
+            )  # fmt: skip
+            procs.append(sender)
+            for i, name in enumerate(["cold"] + ["warm"] * warm_rounds):
+                cpu = tb.wan.status()["cpu_s"]
+                sent = read_result(sender, log, timeout)
+                cpu = tb.wan.status()["cpu_s"] - cpu
+                if sent["rc"] != 0:
+                    raise RuntimeError(f"transfer_sync_write returned {sent['rc']}:\n{tail(log)}")
+                received = ask(receiver, log, timeout)
+                results.append(TransferResult(
+                    name, nbytes, tb.link.rate_mbit, 2 * tb.link.delay_ms, sent["seconds"],
+                    sent["sha256"] == received["sha256"], cpu / sent["seconds"],
+                ))  # fmt: skip
+                if i < warm_rounds:
+                    ask(sender, log, timeout, reply=False)
+        finally:
+            for proc in procs:
+                stop(proc)
+    return results
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.stdin is not None:
+        proc.stdin.close()  # each end exits at the end of its input
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def ask(
+    proc: subprocess.Popen[bytes], log: IO[bytes], timeout: float, reply: bool = True
+) -> dict[str, Any]:
+    """Tell `proc` to go on (a line on its stdin), and read its answer if one is due."""
+    assert proc.stdin is not None
+    proc.stdin.write(b"next\n")
+    proc.stdin.flush()
+    return read_result(proc, log, timeout) if reply else {}
+
+
+def table(tb: Testbed, results: list[TransferResult]) -> str:
+    lines = [
+        f"Mooncake TCP across the emulated WAN ({tb.backend} backend, MTU {tb.mtu})",
+        f"{'round':>5} {'payload':>9} {'link':>12} {'RTT':>7} {'seconds':>8} {'achieved':>14} "
+        f"{'ratio':>6} {'intact':>7} {'WAN CPU':>8}",
+    ]
+    for r in results:
+        lines.append(
+            f"{r.round:>5} {r.nbytes / 2**20:>5.0f} MiB {r.link_mbit:>6.0f} Mbit/s "
+            f"{r.rtt_ms:>4.0f} ms {r.seconds:>8.2f} {r.achieved_mbit:>7.1f} Mbit/s "
+            f"{r.ratio:>6.3f} {'yes' if r.intact else 'NO':>7} {r.daemon_cpu:>8.0%}"
+        )
+    lines.append(
+        f"warm median ratio {warm_ratio(results):.3f} (target >= {TARGET_RATIO}); "
+        f"{'every round intact' if all(r.intact for r in results) else 'CORRUPTED payload'}"
+    )
+    return "\n".join(lines)
+
+
+def warm_ratio(results: list[TransferResult]) -> float:
+    """The median over the warm rounds: one slow round on a busy machine does not decide."""
+    return statistics.median(r.ratio for r in results if r.round == "warm")
+
+
+def passed(results: list[TransferResult]) -> bool:
+    return all(r.intact for r in results) and warm_ratio(results) >= TARGET_RATIO
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {MODULE}",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="role", help="internal: the two ends of the transfer")
+    rx = sub.add_parser("receive", help="the receiver in B")
+    tx = sub.add_parser("send", help="the sender in A")
+    for role in (rx, tx):
+        role.add_argument("--ip", required=True)
+        role.add_argument("--nbytes", type=int, required=True)
+    tx.add_argument("--peer", required=True)
+    tx.add_argument("--remote-addr", type=int, required=True)
+    tx.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mib", type=int, default=64)
+    parser.add_argument("--rate-mbit", type=float, default=200.0)
+    parser.add_argument("--delay-ms", type=float, default=20.0, help="one-way (RTT: twice this)")
+    parser.add_argument("--name", default="pddbench", help="testbed name")
+    parser.add_argument("--net", default="10.209", help="testbed addresses, first two octets")
+    args = parser.parse_args(argv)
+    if args.role == "receive":
+        receive(args.ip, args.nbytes)
+    elif args.role == "send":
+        send(args.ip, args.peer, args.remote_addr, args.nbytes, args.seed)
+    else:
+        tb = Testbed(args.name, LinkParams(args.rate_mbit, args.delay_ms), net=args.net)
+        tb.down()  # whatever a crashed earlier run left
+        tb.up()
+        try:
+            results = transfer(tb, args.mib << 20)
+        finally:
+            tb.down()
+        print(table(tb, results))
+        if not passed(results):
+            raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
