@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdd.launch.process import free_port, group_alive, stop_groups
-from pdd.launch.servers import SERVER_START_TIMEOUT_S, PDRouter, SGLangServer
+from pdd.launch.servers import (
+    LOCAL,
+    SERVER_START_TIMEOUT_S,
+    PDRouter,
+    Placement,
+    SGLangServer,
+)
 
 DEFAULT_RUN_DIR = Path("runs/pd_local")
 STATE_FILE = "state.json"
@@ -55,14 +61,23 @@ class LocalPD:
     router: PDRouter
 
     @classmethod
-    def create(cls, model: Path, run_dir: Path, ports: dict[str, int] | None = None) -> LocalPD:
+    def create(
+        cls,
+        model: Path,
+        run_dir: Path,
+        ports: dict[str, int] | None = None,
+        prefill_at: Placement = LOCAL,
+        decode_at: Placement = LOCAL,
+    ) -> LocalPD:
+        """P and D on this machine, or wherever their placements put them (the router stays in
+        the root namespace, which reaches every placement)."""
         ports = ports or {}
         get = lambda name: ports.get(name) or free_port()  # noqa: E731
         prefill = SGLangServer(
-            "prefill", model, get("prefill"), run_dir, mode="prefill",
+            "prefill", model, get("prefill"), run_dir, prefill_at, mode="prefill",
             bootstrap_port=get("bootstrap"),
         )  # fmt: skip
-        decode = SGLangServer("decode", model, get("decode"), run_dir, mode="decode")
+        decode = SGLangServer("decode", model, get("decode"), run_dir, decode_at, mode="decode")
         router = PDRouter("router", get("router"), run_dir, [prefill], [decode])
         return cls(prefill, decode, router)
 

@@ -14,6 +14,18 @@ CPU_MAX_TOTAL_TOKENS = 8192
 SERVER_START_TIMEOUT_S = 300.0
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a server runs: the address it serves on, and the command prefix that puts it there
+    (e.g. `ip netns exec pdd-a` for datacenter A of the testbed)."""
+
+    host: str = "127.0.0.1"
+    prefix: tuple[str, ...] = ()
+
+
+LOCAL = Placement()
+
+
 def device_env() -> dict[str, str]:
     """SGLang reads SGLANG_USE_CPU_ENGINE at import time, so it must be set before start."""
     return {} if has_gpu() else {"SGLANG_USE_CPU_ENGINE": "1"}
@@ -27,7 +39,7 @@ class SGLangServer:
     model: Path
     port: int
     log_dir: Path
-    host: str = "127.0.0.1"
+    placement: Placement = LOCAL
     mode: str | None = None  # None (colocated), "prefill" or "decode"
     bootstrap_port: int | None = None
     transfer_backend: str = "mooncake_tcp"
@@ -35,12 +47,16 @@ class SGLangServer:
     process: ManagedProcess | None = None
 
     @property
+    def host(self) -> str:
+        return self.placement.host
+
+    @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def argv(self) -> list[str]:
         argv = [
-            sys.executable, "-m", "sglang.launch_server",
+            *self.placement.prefix, sys.executable, "-m", "sglang.launch_server",
             "--model-path", str(self.model),
             "--host", self.host,
             "--port", str(self.port),

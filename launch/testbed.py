@@ -52,9 +52,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pdd.launch import netns
+from pdd.launch.servers import Placement
 from pdd.launch.wan import LinkParams, WanClient, WanError
 from pdd.launch.wan_forwarder import DaemonConfig
 
@@ -138,6 +139,8 @@ def _zombie(pid: int) -> bool:
 
 @dataclass
 class Testbed:
+    __test__: ClassVar[bool] = False  # pytest: a testbed, not a test class
+
     name: str = "pdd"
     link: LinkParams = field(default_factory=LinkParams)
     mtu: int = 9000
@@ -344,6 +347,10 @@ class Testbed:
 
     def popen(self, side: str, argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
         return subprocess.Popen(self.command(side, argv), **kwargs)
+
+    def placement(self, side: str) -> Placement:
+        """Where a server in datacenter `side` runs: its WAN address, inside its namespace."""
+        return Placement(self.ip(side), tuple(self.command(side, [])))
 
     # Faults: seconds=None lasts until restore().
     def cut(self, seconds: float | None = None) -> dict[str, Any]:

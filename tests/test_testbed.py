@@ -34,8 +34,6 @@ RATE_MBIT = 200.0
 DELAY_MS = 20.0
 CLI = [sys.executable, "-m", "pdd.launch.testbed"]
 
-Testbed.__test__ = False  # type: ignore[attr-defined]  # not a test class, despite its name
-
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="the testbed needs root (network namespaces, veth and TUN devices)"
 )

@@ -1,0 +1,15 @@
+"""KV-cache size of a model: what crosses the WAN per prompt token."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 2) -> int:
+    """K and V of every layer for one token (standard attention; bf16 by default)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    return cfg["num_hidden_layers"] * kv_heads * head_dim * 2 * dtype_bytes
