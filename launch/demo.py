@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from pdd.launch.pd_local import LocalPD
+from pdd.launch.process import exit_on_sigterm
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--run-dir", type=Path, default=None, help="logs (default: a temp dir)")
     args = parser.parse_args(argv)
+    exit_on_sigterm()
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="pdd-demo-"))
     pd = LocalPD.create(args.model, run_dir)
     print(f"[demo] starting prefill + decode (mooncake_tcp) + router; logs in {run_dir}")

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import random
 import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from pdd.eval import prompts as prompts_lib
 from pdd.launch.pd_local import LocalPD, generate
 from pdd.launch.servers import SGLangServer
 from pdd.models.tiny import VOCAB_SIZE
@@ -18,8 +18,7 @@ LENGTHS = [8, 61, 181, 400, 700, 1000]
 
 
 def random_ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
+    return prompts_lib.random_ids(n, seed, VOCAB_SIZE)
 
 
 def prompts() -> list[list[int]]:
