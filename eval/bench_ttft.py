@@ -19,7 +19,6 @@ weigh what it weighs in production; the tiny model (fast prefill, 512 B of KV pe
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -27,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pdd.eval.prompts import random_ids
+from pdd.launch.cli import command_parser
 from pdd.launch.pd_local import LocalPD, generate
 from pdd.launch.process import exit_on_sigterm
 from pdd.launch.testbed import Testbed
@@ -95,11 +95,7 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m pdd.eval.bench_ttft",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("pdd.eval.bench_ttft", __doc__)
     parser.add_argument("--model", type=Path, default=Path("models/tiny"))
     parser.add_argument("--rate-mbit", type=float, default=100.0)
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one way")

@@ -16,7 +16,6 @@ end, also on failure.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -31,6 +30,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from pdd.launch.cli import command_parser
 from pdd.launch.testbed import Testbed
 from pdd.launch.wan import LinkParams
 
@@ -218,11 +218,7 @@ def passed(results: list[TransferResult]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog=f"python -m {MODULE}",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser(MODULE, __doc__)
     sub = parser.add_subparsers(dest="role", help="internal: the two ends of the transfer")
     rx = sub.add_parser("receive", help="the receiver in B")
     tx = sub.add_parser("send", help="the sender in A")

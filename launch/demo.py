@@ -6,13 +6,13 @@ serving SmolLM2-135M-Instruct, answering a few chat questions; then everything i
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+from pdd.launch.cli import command_parser
 from pdd.launch.pd_local import LocalPD
 from pdd.launch.process import exit_on_sigterm
 
@@ -54,11 +54,7 @@ def chat(url: str, question: str, max_tokens: int) -> tuple[str, float, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m pdd.launch.demo",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("pdd.launch.demo", __doc__)
     parser.add_argument("--model", type=Path, default=Path("models/smollm2"))
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--run-dir", type=Path, default=None, help="logs (default: a temp dir)")

@@ -17,6 +17,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdd.launch.cli import command_parser
 from pdd.launch.process import free_port, group_alive, stop_groups
 from pdd.launch.servers import (
     LOCAL,
@@ -152,11 +153,7 @@ def cmd_down(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m pdd.launch.pd_local",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("pdd.launch.pd_local", __doc__)
     parser.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start the deployment and wait until it serves")

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from pdd.launch import netns
+from pdd.launch.cli import command_parser
 from pdd.launch.servers import Placement
 from pdd.launch.wan import LinkParams, WanClient, WanError
 from pdd.launch.wan_forwarder import DaemonConfig
@@ -415,11 +416,7 @@ def cmd_fault(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m pdd.launch.testbed",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("pdd.launch.testbed", __doc__)
     parser.add_argument("--name", default="pdd", help="testbed name: namespaces NAME-a, NAME-b")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="create both datacenters and the WAN link")
