@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,12 +15,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 STOP_TIMEOUT_S = 10.0
+# Log lines after which a server never becomes ready, although its process may stay alive.
+FATAL_LOG_MARKERS = ("error while attempting to bind on address",)  # uvicorn, our port
+
+
+# Ports we hand out: above the range SGLang draws its own internal ports from (22000-29999) and
+# below the kernel's ephemeral range (32768+), so neither can take one between our pick and the
+# server's bind.
+PORT_RANGE = range(30000, 32700)
+_handed_out: set[int] = set()
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    for port in random.sample(PORT_RANGE, 64):
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {PORT_RANGE.start}-{PORT_RANGE.stop - 1}")
 
 
 def exit_on_sigterm() -> None:
@@ -123,6 +141,9 @@ class ManagedProcess:
                         return time.monotonic() - start
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
+            tail = self.log_tail(50)
+            if any(marker in tail for marker in FATAL_LOG_MARKERS):
+                raise RuntimeError(f"{self.name} cannot serve; log {self.log_path}:\n{tail}")
             if time.monotonic() - start > timeout:
                 raise TimeoutError(
                     f"{self.name} not ready at {url} after {timeout:.0f}s; log {self.log_path}:\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,22 +25,29 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("tiny"))
 
 
-@pytest.fixture(scope="module")
-def colocated_and_pd(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[SGLangServer, LocalPD]]:
-    """A colocated server and a P + D (mooncake_tcp) + router deployment, started together."""
-    run_dir = tmp_path_factory.mktemp("servers")
-    colocated = SGLangServer("colocated", tiny_model, free_port(), run_dir)
-    pd = LocalPD.create(tiny_model, run_dir)
+@contextmanager
+def serving(colocated: SGLangServer, pd: LocalPD) -> Iterator[None]:
+    """Starts a colocated reference server and a PD deployment together; stops both after."""
     colocated.start()
     try:
         times = pd.up()
         times["colocated"] = colocated.wait_ready()
         print("start-up seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
-        yield colocated, pd
+        yield
     finally:
         groups = list(pd.pgids().values())
         if colocated.process is not None:
             groups.append(colocated.process.pgid)
         stop_groups(groups)
+
+
+@pytest.fixture(scope="module")
+def colocated_and_pd(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[SGLangServer, LocalPD]]:
+    """A colocated server and a P + D (mooncake_tcp) + router deployment on this machine."""
+    run_dir = tmp_path_factory.mktemp("servers")
+    colocated = SGLangServer("colocated", tiny_model, free_port(), run_dir)
+    pd = LocalPD.create(tiny_model, run_dir)
+    with serving(colocated, pd):
+        yield colocated, pd

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 
 from pdd.launch.pd_local import LocalPD, generate
-from pdd.launch.process import free_port, stop_groups
+from pdd.launch.process import free_port
 from pdd.launch.servers import SGLangServer
 from pdd.launch.testbed import Testbed
 from pdd.launch.wan import LinkParams
 from pdd.models.kv import kv_bytes_per_token
+from tests.conftest import serving
 from tests.test_pd_same_dc import greedy, random_ids
 
 RATE_MBIT = 100.0
@@ -42,16 +43,10 @@ def cross_dc(
     colocated = SGLangServer("colocated", tiny_model, free_port(), run_dir)
     pd = LocalPD.create(tiny_model, run_dir, prefill_at=tb.placement("a"),
                         decode_at=tb.placement("b"))  # fmt: skip
-    colocated.start()
     try:
-        pd.up()
-        colocated.wait_ready()
-        yield tb, colocated, pd
+        with serving(colocated, pd):
+            yield tb, colocated, pd
     finally:
-        groups = list(pd.pgids().values())
-        if colocated.process is not None:
-            groups.append(colocated.process.pgid)
-        stop_groups(groups)
         tb.down()
 
 
