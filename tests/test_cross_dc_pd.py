@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pdd.launch.pd_local import LocalPD, generate
+from pdd.launch.pd_local import LocalPD, generate, wait_serving
 from pdd.launch.process import free_port
 from pdd.launch.servers import SGLangServer
 from pdd.launch.testbed import Testbed
@@ -26,6 +26,7 @@ RATE_MBIT = 100.0
 DELAY_MS = 20.0  # one way: RTT 40 ms
 SLOW_MBIT = 4.0
 LONG_PROMPT = 3000
+RECOVERY_TIMEOUT_S = 120.0
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="the testbed needs root (network namespaces, veth and TUN devices)"
@@ -57,7 +58,9 @@ def test_cross_dc_pd_equals_colocated(cross_dc: tuple[Testbed, SGLangServer, Loc
         assert greedy(pd.url, ids)["output_ids"] == greedy(colocated.url, ids)["output_ids"], n
 
 
-def test_kv_really_crosses_the_wan(cross_dc: tuple[Testbed, SGLangServer, LocalPD]) -> None:
+def test_kv_crosses_the_wan_and_service_recovers_after_a_cut(
+    cross_dc: tuple[Testbed, SGLangServer, LocalPD],
+) -> None:
     tb, _, pd = cross_dc
     tb.cut()
     try:
@@ -66,13 +69,20 @@ def test_kv_really_crosses_the_wan(cross_dc: tuple[Testbed, SGLangServer, LocalP
                               "sampling_params": {"max_new_tokens": 2}}, timeout=8)  # fmt: skip
     finally:
         tb.restore()
+    # The router may have marked P unhealthy meanwhile; the deployment must come back by itself.
+    wait_serving(pd.url, timeout=RECOVERY_TIMEOUT_S)
 
 
-def first_token_seconds(url: str, ids: list[int]) -> float:
-    start = time.monotonic()
-    out = generate(url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})
-    assert len(out["output_ids"]) == 1
-    return time.monotonic() - start
+def first_token_seconds(url: str, seeds: tuple[int, ...]) -> float:
+    """The best of a few fresh long prompts: a transient stall must not pass for link time."""
+    best = float("inf")
+    for seed in seeds:
+        start = time.monotonic()
+        out = generate(url, {"input_ids": random_ids(LONG_PROMPT, seed=seed),
+                             "sampling_params": {"max_new_tokens": 1}})  # fmt: skip
+        assert len(out["output_ids"]) == 1
+        best = min(best, time.monotonic() - start)
+    return best
 
 
 def test_ttft_is_dominated_by_the_kv_transfer(
@@ -80,11 +90,11 @@ def test_ttft_is_dominated_by_the_kv_transfer(
 ) -> None:
     tb, colocated, pd = cross_dc
     kv_bits = LONG_PROMPT * kv_bytes_per_token(tiny_model) * 8
-    fast = first_token_seconds(pd.url, random_ids(LONG_PROMPT, seed=11))
-    local = first_token_seconds(colocated.url, random_ids(LONG_PROMPT, seed=12))
+    fast = first_token_seconds(pd.url, (11, 12))
+    local = first_token_seconds(colocated.url, (13, 14))
     tb.set_rate(SLOW_MBIT)
     try:
-        slow = first_token_seconds(pd.url, random_ids(LONG_PROMPT, seed=13))
+        slow = first_token_seconds(pd.url, (15, 16))
     finally:
         tb.restore()
     transfer = kv_bits / (SLOW_MBIT * 1e6)
