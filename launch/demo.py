@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 from pdd.launch.cli import command_parser
-from pdd.launch.pd_local import LocalPD
+from pdd.launch.pd_local import LocalPD, format_seconds
 from pdd.launch.process import exit_on_sigterm
 
 QUESTIONS = [
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[demo] starting prefill + decode (mooncake_tcp) + router; logs in {run_dir}")
     try:
         times = pd.up()
-        print("[demo] up; start-up seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
+        print(f"[demo] up; start-up seconds: {format_seconds(times)}")
         print(f"{'question':36s} {'TTFT s':>7s} {'total s':>8s}  answer")
         for q in QUESTIONS:
             answer, ttft, total = chat(pd.url, q, args.max_tokens)

@@ -55,6 +55,10 @@ def wait_serving(url: str, timeout: float) -> None:
             time.sleep(1.0)
 
 
+def format_seconds(times: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in times.items())
+
+
 @dataclass
 class LocalPD:
     prefill: SGLangServer
@@ -133,7 +137,7 @@ def cmd_up(args: argparse.Namespace) -> None:
     times = pd.up()
     pd.save_state(args.run_dir)
     print(f"router serving at {pd.url}; logs in {args.run_dir}")
-    print("start-up seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
+    print(f"start-up seconds: {format_seconds(times)}")
 
 
 def cmd_status(args: argparse.Namespace) -> None:

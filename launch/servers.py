@@ -31,8 +31,35 @@ def device_env() -> dict[str, str]:
     return {} if has_gpu() else {"SGLANG_USE_CPU_ENGINE": "1"}
 
 
+class HttpService:
+    """What a server and the router share: an address, one managed process, a readiness probe."""
+
+    name: str
+    port: int
+    log_dir: Path
+    placement: Placement
+    process: ManagedProcess | None
+
+    @property
+    def host(self) -> str:
+        return self.placement.host
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def launch(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        log = self.log_dir / f"{self.name}.log"
+        self.process = ManagedProcess(self.name, argv, log, env or {})
+        self.process.start()
+
+    def wait_ready(self, timeout: float = SERVER_START_TIMEOUT_S) -> float:
+        assert self.process is not None, f"{self.name} was never started"
+        return self.process.wait_http_ok(f"{self.url}/health", timeout)
+
+
 @dataclass
-class SGLangServer:
+class SGLangServer(HttpService):
     """One `python -m sglang.launch_server` process (colocated, prefill or decode)."""
 
     name: str
@@ -45,14 +72,6 @@ class SGLangServer:
     transfer_backend: str = "mooncake_tcp"
     extra_args: list[str] = field(default_factory=list)
     process: ManagedProcess | None = None
-
-    @property
-    def host(self) -> str:
-        return self.placement.host
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
     def argv(self) -> list[str]:
         argv = [
@@ -77,18 +96,11 @@ class SGLangServer:
     def start(self) -> None:
         # Mooncake advertises SGLANG_HOST_IP to its peers; without it SGLang guesses from the
         # NICs, which may not be the address this server was asked to serve on.
-        env = {**device_env(), "SGLANG_HOST_IP": self.host}
-        log = self.log_dir / f"{self.name}.log"
-        self.process = ManagedProcess(self.name, self.argv(), log, env)
-        self.process.start()
-
-    def wait_ready(self, timeout: float = SERVER_START_TIMEOUT_S) -> float:
-        assert self.process is not None
-        return self.process.wait_http_ok(f"{self.url}/health", timeout)
+        self.launch(self.argv(), {**device_env(), "SGLANG_HOST_IP": self.host})
 
 
 @dataclass
-class PDRouter:
+class PDRouter(HttpService):
     """SGLang's router (PyPI sglang-router) in prefill-decode mode."""
 
     name: str
@@ -96,12 +108,8 @@ class PDRouter:
     log_dir: Path
     prefill: list[SGLangServer]
     decode: list[SGLangServer]
-    host: str = "127.0.0.1"
+    placement: Placement = LOCAL
     process: ManagedProcess | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
     def argv(self) -> list[str]:
         argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
@@ -109,12 +117,7 @@ class PDRouter:
             argv += ["--prefill", p.url, str(p.bootstrap_port)]
         for d in self.decode:
             argv += ["--decode", d.url]
-        return argv + ["--host", self.host, "--port", str(self.port)]
+        return [*self.placement.prefix, *argv, "--host", self.host, "--port", str(self.port)]
 
     def start(self) -> None:
-        self.process = ManagedProcess(self.name, self.argv(), self.log_dir / f"{self.name}.log")
-        self.process.start()
-
-    def wait_ready(self, timeout: float = SERVER_START_TIMEOUT_S) -> float:
-        assert self.process is not None
-        return self.process.wait_http_ok(f"{self.url}/health", timeout)
+        self.launch(self.argv())

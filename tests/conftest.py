@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdd.launch.pd_local import LocalPD
+from pdd.launch.pd_local import LocalPD, format_seconds
 from pdd.launch.process import free_port, stop_groups
 from pdd.launch.servers import SGLangServer
 
@@ -32,7 +32,7 @@ def serving(colocated: SGLangServer, pd: LocalPD) -> Iterator[None]:
     try:
         times = pd.up()
         times["colocated"] = colocated.wait_ready()
-        print("start-up seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
+        print(f"start-up seconds: {format_seconds(times)}")
         yield
     finally:
         groups = list(pd.pgids().values())
