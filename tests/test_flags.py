@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
-from pdd.srt.flags import ENV_ROLE, PddConfig, add_args, config_from_args
+from pdd.srt.flags import ENV_ROLE, ENV_SECRET, PddConfig, add_args, config_from_args
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -23,8 +24,27 @@ def test_no_role_is_a_plain_sglang_server() -> None:
 @pytest.mark.parametrize(("role", "mode"), [("prefill", "prefill"), ("relay", "decode"),
                                             ("main", "decode")])  # fmt: skip
 def test_each_role_with_its_mode(role: str, mode: str) -> None:
-    args = parse("--pdd-role", role, "--disaggregation-mode", mode)
+    args = parse("--pdd-role", role, "--disaggregation-mode", mode, "--pdd-control-port", "31000")
     assert config_from_args(args).role == role
+
+
+def test_main_decode_needs_a_control_port() -> None:
+    with pytest.raises(SystemExit, match="--pdd-role main needs --pdd-control-port"):
+        config_from_args(parse("--pdd-role", "main", "--disaggregation-mode", "decode"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--pdd-control-port", "70000"], "is not a port number"),
+        (["--pdd-park-timeout", "0"], "must be positive"),
+        (["--pdd-secret-file", "/nonexistent/secret"], "does not exist"),
+    ],
+)
+def test_bad_values_exit_with_a_clear_message(argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit, match=message):
+        base = ("--pdd-role", "main", "--disaggregation-mode", "decode", "--pdd-control-port", "1")
+        config_from_args(parse(*base, *argv))
 
 
 def test_wrong_mode_exits_with_a_clear_message() -> None:
@@ -36,5 +56,18 @@ def test_config_travels_through_the_environment(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv(ENV_ROLE, raising=False)
     PddConfig(role="relay").to_env()
     assert PddConfig.from_env() == PddConfig(role="relay")
+    full = PddConfig(role="main", control_host="10.0.0.2", control_port=31000, park_timeout_s=9.5)
+    full.to_env()
+    assert PddConfig.from_env() == full
     PddConfig(role=None).to_env()
     assert PddConfig.from_env() == PddConfig(role=None)
+
+
+def test_secret_from_file_or_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_SECRET, raising=False)
+    assert PddConfig().secret() is None
+    monkeypatch.setenv(ENV_SECRET, "from-env")
+    assert PddConfig().secret() == b"from-env"
+    path = tmp_path / "secret"
+    path.write_text("from-file\n")
+    assert PddConfig(secret_file=str(path)).secret() == b"from-file"

@@ -8,6 +8,7 @@ SGLang subprocess inherits.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from dataclasses import dataclass
 
@@ -15,25 +16,62 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from pdd.srt.cpu_disagg import adjust_cpu_args
 
+logger = logging.getLogger(__name__)
+
 ROLES = ("prefill", "relay", "main")
 # The SGLang disaggregation mode each role needs.
 ROLE_MODE = {"prefill": "prefill", "relay": "decode", "main": "decode"}
 ENV_ROLE = "PDD_ROLE"
+ENV_CONTROL_HOST = "PDD_CONTROL_HOST"
+ENV_CONTROL_PORT = "PDD_CONTROL_PORT"
+ENV_PARK_TIMEOUT = "PDD_PARK_TIMEOUT_S"
+ENV_SECRET_FILE = "PDD_CONTROL_SECRET_FILE"
+# The shared secret itself may also come straight from the environment.
+ENV_SECRET = "PDD_CONTROL_SECRET"
+DEFAULT_PARK_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
 class PddConfig:
     role: str | None = None
+    control_host: str = "0.0.0.0"
+    control_port: int | None = None
+    park_timeout_s: float = DEFAULT_PARK_TIMEOUT_S
+    secret_file: str | None = None
 
     @classmethod
     def from_env(cls) -> PddConfig:
-        return cls(role=os.environ.get(ENV_ROLE) or None)
+        env = os.environ
+        port = env.get(ENV_CONTROL_PORT)
+        return cls(
+            role=env.get(ENV_ROLE) or None,
+            control_host=env.get(ENV_CONTROL_HOST) or cls.control_host,
+            control_port=int(port) if port else None,
+            park_timeout_s=float(env.get(ENV_PARK_TIMEOUT) or DEFAULT_PARK_TIMEOUT_S),
+            secret_file=env.get(ENV_SECRET_FILE) or None,
+        )
 
     def to_env(self) -> None:
-        if self.role is None:
-            os.environ.pop(ENV_ROLE, None)
-        else:
-            os.environ[ENV_ROLE] = self.role
+        values = {
+            ENV_ROLE: self.role,
+            ENV_CONTROL_HOST: self.control_host,
+            ENV_CONTROL_PORT: None if self.control_port is None else str(self.control_port),
+            ENV_PARK_TIMEOUT: str(self.park_timeout_s),
+            ENV_SECRET_FILE: self.secret_file,
+        }
+        for key, value in values.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+    def secret(self) -> bytes | None:
+        """The control plane's shared secret (HMAC key), or None when it is not authenticated."""
+        if self.secret_file:
+            with open(self.secret_file, "rb") as f:
+                return f.read().strip()
+        value = os.environ.get(ENV_SECRET)
+        return value.encode() if value else None
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +82,31 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="This server's PDD tier: prefill (P, datacenter A), relay (RelayDecode, datacenter A) "
         "or main (MainDecode, datacenter B). Unset: a plain SGLang server.",
+    )
+    group.add_argument(
+        "--pdd-control-port",
+        type=int,
+        default=None,
+        help="MainDecode: port of the control-plane socket (ZMQ PULL) on which the router sends "
+        "handoffs. Required with --pdd-role main.",
+    )
+    group.add_argument(
+        "--pdd-control-host",
+        default=PddConfig.control_host,
+        help="MainDecode: address the control-plane socket binds to (default: all).",
+    )
+    group.add_argument(
+        "--pdd-park-timeout",
+        type=float,
+        default=DEFAULT_PARK_TIMEOUT_S,
+        help="MainDecode: seconds a request whose KV has landed waits for its handoff before MD "
+        "frees it (default: %(default)s).",
+    )
+    group.add_argument(
+        "--pdd-secret-file",
+        default=None,
+        help="File holding the control plane's shared secret (HMAC-SHA256); the router must use "
+        f"the same. Alternatively set {ENV_SECRET}. Unset: messages are not authenticated.",
     )
 
 
@@ -57,7 +120,32 @@ def config_from_args(args: argparse.Namespace) -> PddConfig:
                 f"error: --pdd-role {role} needs --disaggregation-mode {ROLE_MODE[role]} "
                 f"(got {mode!r})"
             )
-    return PddConfig(role=role)
+    port = getattr(args, "pdd_control_port", None)
+    if role == "main" and port is None:
+        raise SystemExit("error: --pdd-role main needs --pdd-control-port")
+    if port is not None and not 0 < port < 65536:
+        raise SystemExit(f"error: --pdd-control-port {port} is not a port number")
+    park_timeout = getattr(args, "pdd_park_timeout", DEFAULT_PARK_TIMEOUT_S)
+    if park_timeout <= 0:
+        raise SystemExit("error: --pdd-park-timeout must be positive")
+    secret_file = getattr(args, "pdd_secret_file", None)
+    if secret_file is not None and not os.path.isfile(secret_file):
+        raise SystemExit(f"error: --pdd-secret-file {secret_file} does not exist")
+    return PddConfig(
+        role=role,
+        control_host=getattr(args, "pdd_control_host", PddConfig.control_host),
+        control_port=port,
+        park_timeout_s=park_timeout,
+        secret_file=secret_file,
+    )
+
+
+def adjust_role_args(args: argparse.Namespace) -> None:
+    """MainDecode runs its handoff extends between SGLang's batches, which needs the
+    non-overlapped scheduler loop."""
+    if getattr(args, "pdd_role", None) == "main" and not args.disable_overlap_schedule:
+        args.disable_overlap_schedule = True
+        logger.info("pdd: --pdd-role main runs with --disable-overlap-schedule")
 
 
 def _after_add_cli_args(result: None, parser: argparse.ArgumentParser) -> None:
@@ -67,6 +155,7 @@ def _after_add_cli_args(result: None, parser: argparse.ArgumentParser) -> None:
 
 def _before_from_cli_args(cls: type, args: argparse.Namespace) -> None:
     config_from_args(args).to_env()
+    adjust_role_args(args)
     adjust_cpu_args(args)
 
 

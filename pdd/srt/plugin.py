@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 def load() -> None:
-    from pdd.srt import cpu_disagg, flags
+    from pdd.srt import cpu_disagg, flags, main_decode
 
     flags.register()
     cpu_disagg.register()
+    main_decode.register()

@@ -1,0 +1,362 @@
+"""MainDecode (MD): park requests whose KV has landed, then take over from RelayDecode.
+
+MD is an SGLang decode server. A request the router sends with a `pdd.route` hint (`park`)
+receives its prompt KV from P as usual, but instead of decoding it waits ("parks") holding its
+KV, and MD tells the router READY. The router answers with the tokens RelayDecode has produced:
+- CHUNK (Catch-Up handoff): MD computes their KV in one extend forward and stays parked.
+- HANDOFF (Extend-Decode handoff): MD computes the KV of the remaining tokens but the last, sets
+  the request's output to all handed-over tokens and lets SGLang's decode path continue exactly
+  as for a request whose KV came from P: the last token is the next decode input.
+- CANCEL: the request finished on RelayDecode; MD frees it.
+
+All extends run synchronously inside the scheduler loop (MD runs without overlap scheduling), so
+SGLang's batch bookkeeping never sees them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from pdd.control.channel import ControlSocket
+from pdd.control.messages import (
+    Ack,
+    Cancel,
+    Chunk,
+    ControlError,
+    Error,
+    Handoff,
+    Message,
+    Ready,
+    RouteHint,
+    parse_route_hint,
+)
+from pdd.srt.flags import PddConfig
+
+logger = logging.getLogger(__name__)
+
+# How long the idle loop waits for a control message while requests are parked; short, because
+# the same loop also polls KV transfers.
+PARKED_POLL_MS = 5
+
+
+@dataclass
+class Parked:
+    req: Any  # sglang Req
+    hint: RouteHint
+    prompt_len: int
+    # MD's own radix-cache prefix at admission; SGLang's decode path expects it back.
+    prefix_len: int
+    parked_at: float = field(default_factory=time.monotonic)
+    # Handed-over tokens whose KV MD has computed (Catch-Up chunks).
+    done: int = 0
+
+
+@dataclass
+class Stats:
+    parked: int = 0
+    handoffs: int = 0
+    chunks: int = 0
+    cancelled: int = 0
+    timed_out: int = 0
+    extend_tokens: int = 0
+    rejected_messages: int = 0
+
+
+class MainDecode:
+    """Per-scheduler state of an MD server (attention TP rank 0 only; see `check_supported`)."""
+
+    def __init__(self, scheduler: Any, config: PddConfig) -> None:
+        self.scheduler = scheduler
+        self.config = config
+        self.parked: dict[str, Parked] = {}
+        self.stats = Stats()
+        self.kv_bytes_per_token = _kv_bytes_per_token(scheduler)
+        self.control = ControlSocket(secret=config.secret())
+        addr = f"tcp://{config.control_host}:{config.control_port}"
+        self.control.bind(addr)
+        self.poller = zmq.Poller()
+        self.poller.register(self.control.socket, zmq.POLLIN)
+        self.poller.register(scheduler.ipc_channels.recv_from_tokenizer, zmq.POLLIN)
+        logger.info("PDD MainDecode: control plane on %s", addr)
+
+    # -- parking ----------------------------------------------------------------------------
+
+    def take_parkable(self, reqs: list[Any]) -> list[Any]:
+        """Parks the requests with a `park` route hint; returns the others."""
+        rest = []
+        for req in reqs:
+            hint = _route_hint(req)
+            if hint is None or not hint.park or hint.role != "main":
+                rest.append(req)
+                continue
+            prompt_len = len(req.origin_input_ids)
+            parked = Parked(req=req, hint=hint, prompt_len=prompt_len, prefix_len=req.prefix_len)
+            self.parked[req.rid] = parked
+            self.stats.parked += 1
+            cached = int(getattr(req.kv, "cache_protected_len", 0) or 0)
+            self.control.send(
+                hint.reply_to,
+                Ready(
+                    rid=req.rid,
+                    prompt_len=prompt_len,
+                    cached_len=cached,
+                    wan_kv_bytes=(prompt_len - cached) * self.kv_bytes_per_token,
+                    first_token=int(req.output_ids[0]),
+                ),
+            )
+        return rest
+
+    # -- control messages -------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Drains the control socket; runs the extends the messages ask for."""
+        chunks: list[tuple[Parked, Chunk]] = []
+        handoffs: list[tuple[Parked, Handoff]] = []
+        for msg in self.control.recv_nowait():
+            parked = self._check(msg)
+            if parked is None:
+                continue
+            if isinstance(msg, Cancel):
+                self.cancel(parked, f"cancelled by the router: {msg.reason}")
+                self.stats.cancelled += 1
+            elif isinstance(msg, Chunk):
+                chunks.append((parked, msg))
+            elif isinstance(msg, Handoff):
+                handoffs.append((parked, msg))
+        if chunks:
+            self._extend([(p, p.done + len(m.tokens), _tokens(p, m)) for p, m in chunks])
+            for parked, _ in chunks:
+                self.stats.chunks += 1
+                self.control.send(parked.hint.reply_to, Ack(rid=parked.req.rid, done=parked.done))
+        if handoffs:
+            self._handoff(handoffs)
+        self._expire()
+
+    def _check(self, msg: Message) -> Parked | None:
+        if not isinstance(msg, Chunk | Handoff | Cancel):
+            self._reject(None, msg.rid, f"MD does not accept {type(msg).__name__}")
+            return None
+        parked = self.parked.get(msg.rid)
+        if parked is None:
+            # A late message for a request that already left (finished, cancelled, expired).
+            logger.info("PDD: %s for rid %s, which is not parked", type(msg).__name__, msg.rid)
+            return None
+        if isinstance(msg, Chunk | Handoff):
+            reason = _token_problem(parked, msg)
+            if reason is not None:
+                self._reject(parked, msg.rid, reason)
+                return None
+        return parked
+
+    def _reject(self, parked: Parked | None, rid: str, reason: str) -> None:
+        self.stats.rejected_messages += 1
+        logger.warning("PDD: rejected control message for %s: %s", rid, reason)
+        if parked is not None:
+            self.control.send(parked.hint.reply_to, Error(rid=rid, reason=reason))
+
+    # -- the handoff ------------------------------------------------------------------------
+
+    def _handoff(self, handoffs: list[tuple[Parked, Handoff]]) -> None:
+        work = []
+        for parked, msg in handoffs:
+            tokens = _tokens(parked, msg) or (int(parked.req.output_ids[0]),)
+            # The last handed-over token has no KV yet: it is the next decode step's input.
+            work.append((parked, len(tokens) - 1, tokens))
+        self._extend(work)
+        for parked, _, tokens in work:
+            req = parked.req
+            req.output_ids = array("q", tokens)
+            req.refresh_fill_ids()
+            req.prefix_len = parked.prefix_len
+            req.extend_end = req.kv.kv_committed_len
+            del self.parked[req.rid]
+            self.stats.handoffs += 1
+            self.scheduler.waiting_queue.append(req)
+
+    def _extend(self, work: list[tuple[Parked, int, tuple[int, ...]]]) -> None:
+        """Computes the KV of handed-over tokens [parked.done, upto) for each request, in one
+        extend forward (the batched "extend-decode" recompute)."""
+        from sglang.srt.managers.overlap_utils import resolve_forward_inputs
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+        todo = [(p, upto, tokens) for p, upto, tokens in work if upto > p.done]
+        if not todo:
+            return
+        s = self.scheduler
+        # The extend's cache accounting would count handed-over tokens as cache hits.
+        accounting = [(p.req.cached_tokens, p.req.already_computed) for p, _, _ in todo]
+        for parked, upto, tokens in todo:
+            req = parked.req
+            req.output_ids = array("q", tokens[:upto])
+            req.refresh_fill_ids()
+            req.prefix_len = parked.prompt_len + parked.done
+            req.extend_end = parked.prompt_len + upto
+        batch = ScheduleBatch.init_new(
+            [p.req for p, _, _ in todo],
+            s.req_to_token_pool,
+            s.token_to_kv_pool_allocator,
+            s.tree_cache,
+            s.model_config,
+            False,
+            s.spec_algorithm,
+        )
+        batch.prepare_for_extend()
+        resolve_forward_inputs(batch, s.future_map)
+        with torch.no_grad():
+            s.model_worker.forward_batch_generation(batch)
+        for (parked, upto, _), (cached, computed) in zip(todo, accounting, strict=True):
+            parked.req.cached_tokens, parked.req.already_computed = cached, computed
+            self.stats.extend_tokens += upto - parked.done
+            parked.done = upto
+
+    # -- leaving without a handoff ----------------------------------------------------------
+
+    def cancel(self, parked: Parked, reason: str) -> None:
+        from sglang.srt.disaggregation.utils import prepare_abort
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        req = parked.req
+        del self.parked[req.rid]
+        req.prefix_len = parked.prefix_len
+        prepare_abort(req, reason, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+        self.scheduler.output_streamer.stream_output([req], req.return_logprob)
+        release_kv_cache(req, self.scheduler.tree_cache, checkpoint=False)
+
+    def abort(self, rid: str, abort_all: bool) -> None:
+        """SGLang's own abort (client gone, /abort_request) also reaches parked requests."""
+        for key in list(self.parked):
+            if abort_all or key.startswith(rid):
+                self.cancel(self.parked[key], "aborted")
+                self.stats.cancelled += 1
+
+    def _expire(self) -> None:
+        limit = self.config.park_timeout_s
+        now = time.monotonic()
+        for parked in list(self.parked.values()):
+            if now - parked.parked_at > limit:
+                self.stats.timed_out += 1
+                self.cancel(parked, f"no handoff within {limit:.0f} s of the KV landing on MD")
+
+    # -- idling -----------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """With only parked requests the scheduler is busy but has nothing to run: sleep until a
+        control message or a new request arrives (or a short tick for KV transfers)."""
+        self.poller.poll(PARKED_POLL_MS)
+
+
+def _route_hint(req: Any) -> RouteHint | None:
+    hints = getattr(req, "kv_hints", None)
+    if hints is None:
+        return None
+    try:
+        return parse_route_hint(msgspec.to_builtins(hints))
+    except ControlError as e:
+        logger.warning("PDD: request %s has a malformed pdd.route hint: %s", req.rid, e)
+        return None
+
+
+def _tokens(parked: Parked, msg: Chunk | Handoff) -> tuple[int, ...]:
+    """All handed-over tokens so far: those MD already holds (from chunks) plus the new ones."""
+    return (*parked.req.output_ids[: msg.start], *msg.tokens)
+
+
+def _token_problem(parked: Parked, msg: Chunk | Handoff) -> str | None:
+    if msg.start != parked.done:
+        return f"{type(msg).__name__} starts at {msg.start}, MD holds KV for {parked.done} tokens"
+    first = int(parked.req.output_ids[0])
+    if msg.start == 0 and msg.tokens and msg.tokens[0] != first:
+        return f"first handed-over token {msg.tokens[0]} is not P's first token {first}"
+    if isinstance(msg, Chunk) and not msg.tokens:
+        return "empty chunk"
+    budget = parked.req.sampling_params.max_new_tokens
+    if budget is not None and msg.start + len(msg.tokens) > budget:
+        return f"{msg.start + len(msg.tokens)} tokens exceed max_new_tokens={budget}"
+    return None
+
+
+def _kv_bytes_per_token(scheduler: Any) -> int:
+    pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+    ptrs, lens, item_lens = pool.get_contiguous_buf_infos()
+    return int(sum(item_lens)) // max(pool.page_size, 1)
+
+
+def check_supported(scheduler: Any) -> None:
+    """MD v1 runs its handoff extends outside SGLang's batch flow: one rank, no overlap."""
+    if getattr(scheduler, "enable_overlap", False):
+        raise RuntimeError("--pdd-role main needs --disable-overlap-schedule")
+    if getattr(scheduler, "tp_size", 1) != 1:
+        raise RuntimeError("--pdd-role main supports --tp-size 1 only for now")
+    if not scheduler.spec_algorithm.is_none():
+        raise RuntimeError("--pdd-role main does not support speculative decoding yet")
+
+
+# -- SGLang hooks (run in MD's scheduler process) -----------------------------------------------
+
+
+def main_decode(scheduler: Any) -> MainDecode | None:
+    """This scheduler's MainDecode, made on first use; None on servers of other roles."""
+    md = scheduler.__dict__.get("_pdd_main_decode")
+    if md is None:
+        config = PddConfig.from_env()
+        md = False
+        if config.role == "main":
+            check_supported(scheduler)
+            md = MainDecode(scheduler, config)
+        scheduler._pdd_main_decode = md
+    return md or None
+
+
+def _after_pop_transferred(result: list[Any], queue: Any, *args: Any, **kwargs: Any) -> Any:
+    md = main_decode(queue.scheduler)
+    return md.take_parkable(result) if md is not None and result else result
+
+
+def _around_next_decode_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    md = main_decode(scheduler)
+    if md is not None:
+        md.poll()
+    return original(scheduler, *args, **kwargs)
+
+
+def _after_is_fully_idle(result: bool, scheduler: Any, *args: Any, **kwargs: Any) -> bool:
+    md = main_decode(scheduler)
+    # Parked requests hold KV: the scheduler is not idle (its idle leak check would fire).
+    return result and not (md is not None and md.parked)
+
+
+def _after_on_idle(result: None, scheduler: Any) -> None:
+    md = main_decode(scheduler)
+    if md is not None and md.parked:
+        md.wait()
+
+
+def _after_abort_request(result: None, scheduler: Any, recv_req: Any) -> None:
+    md = main_decode(scheduler)
+    if md is not None:
+        md.abort(recv_req.rid or "", bool(recv_req.abort_all))
+
+
+def register() -> None:
+    sched = "sglang.srt.managers.scheduler.Scheduler"
+    hooks = [
+        ("sglang.srt.disaggregation.decode.DecodeTransferQueue.pop_transferred",
+         _after_pop_transferred, HookType.AFTER),
+        (f"{sched}.get_next_disagg_decode_batch_to_run", _around_next_decode_batch,
+         HookType.AROUND),
+        (f"{sched}.is_fully_idle", _after_is_fully_idle, HookType.AFTER),
+        (f"{sched}.on_idle", _after_on_idle, HookType.AFTER),
+        (f"{sched}.abort_request", _after_abort_request, HookType.AFTER),
+    ]  # fmt: skip
+    for target, fn, kind in hooks:
+        HookRegistry.register(target, fn, kind)
