@@ -1,0 +1,208 @@
+"""MainDecode against real servers: P (prefill) + MD (`--pdd-role main`) + a colocated reference.
+
+The test plays the router's part on the control plane: it sends MD a parked request, waits for
+READY, then hands over tokens cut from the colocated server's greedy output, the way RelayDecode
+would have produced them. MD's continuation must equal the colocated output.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import zmq
+
+from pdd.control.channel import ControlSocket
+from pdd.control.messages import (
+    Ack,
+    Cancel,
+    Chunk,
+    Error,
+    Handoff,
+    Message,
+    Ready,
+    route_hint,
+)
+from pdd.launch.pd_local import generate
+from pdd.launch.process import free_port, stop_groups
+from pdd.launch.servers import SGLangServer
+from tests.test_pd_same_dc import random_ids
+
+MAX_NEW = 40
+SAMPLING = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+WAIT_S = 120.0
+
+
+@dataclass
+class Deployment:
+    prefill: SGLangServer
+    main: SGLangServer
+    colocated: SGLangServer
+    control: ControlSocket
+    reply_to: str
+    inbox: list[Message] = field(default_factory=list)
+
+    def recv(self, rid: str, timeout: float = WAIT_S) -> Message:
+        """The next control message for `rid` (others stay queued for their own callers)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, msg in enumerate(self.inbox):
+                if msg.rid == rid:
+                    return self.inbox.pop(i)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no control message for {rid} within {timeout:.0f}s")
+            if self.control.socket.poll(200, zmq.POLLIN):
+                self.inbox.extend(self.control.recv_nowait())
+
+    def send(self, msg: Message) -> None:
+        assert self.control.send(f"tcp://127.0.0.1:{self.main_control_port}", msg) > 0
+
+    @property
+    def main_control_port(self) -> int:
+        return int(self.main.extra_args[self.main.extra_args.index("--pdd-control-port") + 1])
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    run_dir = tmp_path_factory.mktemp("main_decode")
+    prefill = SGLangServer("prefill", tiny_model, free_port(), run_dir, mode="prefill",
+                           bootstrap_port=free_port())  # fmt: skip
+    main = SGLangServer(
+        "main", tiny_model, free_port(), run_dir, mode="decode",
+        extra_args=["--pdd-role", "main", "--pdd-control-port", str(free_port()),
+                    "--pdd-park-timeout", "20"],
+    )  # fmt: skip
+    colocated = SGLangServer("colocated", tiny_model, free_port(), run_dir)
+    servers = [prefill, main, colocated]
+    control = ControlSocket()
+    reply_to = control.bind(f"tcp://127.0.0.1:{free_port()}")
+    for server in servers:
+        server.start()
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield Deployment(prefill, main, colocated, control, reply_to)
+    finally:
+        control.close()
+        stop_groups([s.process.pgid for s in servers if s.process is not None])
+
+
+class Parked:
+    """One request sent to P and parked on MD; MD's HTTP answer arrives in `result`."""
+
+    def __init__(self, dep: Deployment, ids: list[int], sampling: dict | None = None) -> None:
+        self.rid = f"t{random.randrange(1 << 40)}"
+        self.result: dict | Exception | None = None
+        body = {
+            "input_ids": ids,
+            "sampling_params": sampling or SAMPLING,
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": dep.prefill.bootstrap_port,
+            "bootstrap_room": random.randrange(1 << 62),
+        }
+        hint = route_hint(role="main", park=True, reply_to=dep.reply_to)
+        md_body = {**body, "rid": self.rid, "kv_hints": hint}
+        self.thread = threading.Thread(target=self._call, args=(dep.main.url, md_body))
+        self.thread.start()
+        generate(dep.prefill.url, {**body, "rid": f"{self.rid}-p"})
+        ready = dep.recv(self.rid)
+        assert isinstance(ready, Ready), ready
+        self.ready = ready
+
+    def _call(self, url: str, body: dict) -> None:
+        try:
+            self.result = generate(url, body, timeout=WAIT_S)
+        except Exception as err:  # the test inspects it
+            self.result = err
+
+    def output(self) -> dict:
+        self.thread.join(WAIT_S)
+        assert isinstance(self.result, dict), self.result
+        return self.result
+
+
+def reference(dep: Deployment, ids: list[int]) -> list[int]:
+    return generate(dep.colocated.url, {"input_ids": ids, "sampling_params": SAMPLING})[
+        "output_ids"
+    ]
+
+
+@pytest.mark.parametrize("k", [1, 2, 17, MAX_NEW - 1])
+def test_extend_handoff_continues_like_colocated(deployment: Deployment, k: int) -> None:
+    ids = random_ids(300, seed=k)
+    ref = reference(deployment, ids)
+    parked = Parked(deployment, ids)
+    assert parked.ready.prompt_len == 300
+    assert parked.ready.first_token == ref[0]  # P's first token travelled with the KV
+    assert parked.ready.wan_kv_bytes == 300 * 512  # tiny model: 512 bytes of KV per token
+    deployment.send(Handoff(rid=parked.rid, start=0, tokens=tuple(ref[:k])))
+    assert parked.output()["output_ids"] == ref
+
+
+def test_catch_up_chunks_then_handoff(deployment: Deployment) -> None:
+    ids = random_ids(250, seed=99)
+    ref = reference(deployment, ids)
+    parked = Parked(deployment, ids)
+    done = 0
+    for end in (8, 20, 31):
+        deployment.send(Chunk(rid=parked.rid, start=done, tokens=tuple(ref[done:end])))
+        ack = deployment.recv(parked.rid)
+        assert ack == Ack(rid=parked.rid, done=end)
+        done = end
+    deployment.send(Handoff(rid=parked.rid, start=done, tokens=tuple(ref[done:35])))
+    assert parked.output()["output_ids"] == ref
+
+
+def test_several_handoffs_share_one_extend(deployment: Deployment) -> None:
+    prompts = [random_ids(n, seed=1000 + n) for n in (40, 120, 260, 333)]
+    refs = [reference(deployment, ids) for ids in prompts]
+    parked = [Parked(deployment, ids) for ids in prompts]
+    for i, (p, ref) in enumerate(zip(parked, refs, strict=True)):
+        deployment.send(Handoff(rid=p.rid, start=0, tokens=tuple(ref[: 5 + 7 * i])))
+    for p, ref in zip(parked, refs, strict=True):
+        assert p.output()["output_ids"] == ref
+
+
+def test_bad_handoffs_are_rejected_and_the_request_survives(deployment: Deployment) -> None:
+    ids = random_ids(90, seed=5)
+    ref = reference(deployment, ids)
+    parked = Parked(deployment, ids)
+    wrong_first = (ref[0] + 1) % 1000
+    for bad in (
+        Handoff(rid=parked.rid, start=3, tokens=tuple(ref[3:9])),  # MD holds 0 tokens
+        Handoff(rid=parked.rid, start=0, tokens=(wrong_first, *ref[1:5])),  # not P's token
+        Handoff(rid=parked.rid, start=0, tokens=tuple(ref) + (1,)),  # over max_new_tokens
+    ):
+        deployment.send(bad)
+        err = deployment.recv(parked.rid)
+        assert isinstance(err, Error), err
+    deployment.send(Handoff(rid=parked.rid, start=0, tokens=tuple(ref[:6])))
+    assert parked.output()["output_ids"] == ref
+
+
+def test_cancel_and_timeout_free_the_request(deployment: Deployment) -> None:
+    cancelled = Parked(deployment, random_ids(120, seed=6))
+    deployment.send(Cancel(rid=cancelled.rid, reason="finished on relay"))
+    cancelled.thread.join(WAIT_S)
+    assert isinstance(cancelled.result, Exception) and "503" in str(cancelled.result)
+    # Never handed over: MD frees it after --pdd-park-timeout (20 s here).
+    forgotten = Parked(deployment, random_ids(60, seed=7))
+    forgotten.thread.join(WAIT_S)
+    assert isinstance(forgotten.result, Exception) and "503" in str(forgotten.result)
+    # Back to idle: SGLang's idle check (strict by default) finds no leaked KV slot or row,
+    # and MD still serves.
+    time.sleep(3)
+    ids = random_ids(50, seed=8)
+    ref = reference(deployment, ids)
+    again = Parked(deployment, ids)
+    deployment.send(Handoff(rid=again.rid, start=0, tokens=tuple(ref[:3])))
+    assert again.output()["output_ids"] == ref
+    time.sleep(3)
+    log = (deployment.main.log_dir / "main.log").read_text()
+    assert "memory leak" not in log
+    assert "Traceback" not in log
