@@ -75,7 +75,8 @@ fi
 # Models, built offline (deterministic; rebuilt only when missing).
 mkdir -p models
 [ -f models/tiny/config.json ] || "$VENV/bin/python" -m pdd.models tiny --out models/tiny
+[ -f models/wide/config.json ] || "$VENV/bin/python" -m pdd.models wide --out models/wide
 if [ "${PDD_SKIP_SMOLLM2:-0}" != 1 ] && [ ! -f models/smollm2/config.json ]; then
   "$VENV/bin/python" -m pdd.models smollm2 --out models/smollm2
 fi
-log "ready: $VENV ($DEVICE), models/tiny$([ -f models/smollm2/config.json ] && echo ', models/smollm2')"
+log "ready: $VENV ($DEVICE), models/tiny, models/wide$([ -f models/smollm2/config.json ] && echo ', models/smollm2')"

@@ -1,4 +1,4 @@
-"""python -m pdd.models {tiny,smollm2} --out DIR: build a model directory offline."""
+"""python -m pdd.models {tiny,wide,smollm2} --out DIR: build a model directory offline."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pdd.models", description=__doc__)
-    parser.add_argument("name", choices=["tiny", "smollm2"])
+    parser.add_argument("name", choices=["tiny", "wide", "smollm2"])
     parser.add_argument("--out", type=Path, required=True, help="directory to write")
     args = parser.parse_args(argv)
     start = time.monotonic()
-    if args.name == "tiny":
-        from pdd.models.tiny import make_tiny
+    if args.name in ("tiny", "wide"):
+        from pdd.models.tiny import SHAPES, make_tiny
 
-        out = make_tiny(args.out)
+        out = make_tiny(args.out, SHAPES[args.name])
     else:
         from pdd.models.smollm2 import make_smollm2
 
