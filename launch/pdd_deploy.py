@@ -1,0 +1,78 @@
+"""A PDD deployment: P and RelayDecode in datacenter A, MainDecode in datacenter B, the PDD router
+in A (next to the users and P). On the testbed, MD reaches P's KV and the router's control socket
+only across the emulated WAN; elsewhere everything runs on this machine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdd.launch.pd_local import wait_serving
+from pdd.launch.process import free_port, stop_groups
+from pdd.launch.router import RouterService
+from pdd.launch.servers import LOCAL, SERVER_START_TIMEOUT_S, Placement, SGLangServer
+
+
+@dataclass
+class PDDDeployment:
+    prefill: SGLangServer
+    relay: SGLangServer
+    main: SGLangServer
+    router: RouterService
+
+    @classmethod
+    def create(
+        cls,
+        model: Path,
+        run_dir: Path,
+        a: Placement = LOCAL,
+        b: Placement = LOCAL,
+        main_args: tuple[str, ...] = (),
+        router_args: tuple[str, ...] = (),
+    ) -> PDDDeployment:
+        """`a` and `b` place the two datacenters (e.g. `Testbed.placement("a")`)."""
+        prefill = SGLangServer("prefill", model, free_port(), run_dir, a, mode="prefill",
+                               bootstrap_port=free_port())  # fmt: skip
+        relay = SGLangServer("relay", model, free_port(), run_dir, a, mode="decode",
+                             extra_args=["--pdd-role", "relay"])  # fmt: skip
+        main = SGLangServer(
+            "main", model, free_port(), run_dir, b, mode="decode",
+            extra_args=["--pdd-role", "main", "--pdd-control-port", str(free_port()),
+                        *main_args],
+        )  # fmt: skip
+        router = RouterService("router", free_port(), run_dir, [prefill], [relay], [main], a,
+                               extra_args=list(router_args))  # fmt: skip
+        return cls(prefill, relay, main, router)
+
+    @property
+    def url(self) -> str:
+        return self.router.url
+
+    def servers(self) -> list[SGLangServer]:
+        return [self.prefill, self.relay, self.main]
+
+    def up(self, timeout: float = SERVER_START_TIMEOUT_S) -> dict[str, float]:
+        """Starts every part (servers in parallel) and waits until the router serves; returns
+        start-up seconds."""
+        start = time.monotonic()
+        for server in self.servers():
+            server.start()
+        self.router.start()
+        try:
+            times = {s.name: s.wait_ready(timeout) for s in self.servers()}
+            self.router.wait_ready(timeout)
+            wait_serving(self.url, timeout)
+            times["deployment"] = time.monotonic() - start
+        except BaseException:
+            self.down()
+            raise
+        return times
+
+    def pgids(self) -> dict[str, int]:
+        parts = [self.router, *self.servers()]
+        return {p.name: p.process.pgid for p in parts if p.process is not None}
+
+    def down(self) -> None:
+        stop_groups(list(self.pgids().values()))

@@ -1,0 +1,178 @@
+"""PDD end to end on the testbed: P and RelayDecode in datacenter A, MainDecode in B, the PDD
+router in A; real SGLang servers, Mooncake over the emulated WAN, the control plane over ZMQ.
+
+Every path must produce a colocated server's greedy tokens, streamed or not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pdd.launch.pd_local import generate
+from pdd.launch.pdd_deploy import PDDDeployment
+from pdd.launch.process import free_port, stop_groups
+from pdd.launch.router import RouterService
+from pdd.launch.servers import SGLangServer
+from pdd.launch.testbed import Testbed
+from pdd.launch.wan import LinkParams
+from tests.test_pd_same_dc import random_ids
+
+RATE_MBIT = 100.0
+DELAY_MS = 20.0  # one way: RTT 40 ms
+SLOW_MBIT = 2.5
+MAX_NEW = 48
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="the testbed needs root (network namespaces, veth and TUN devices)"
+)
+
+
+@dataclass
+class Setup:
+    tb: Testbed
+    colocated: SGLangServer
+    pdd: PDDDeployment
+    catchup: RouterService  # a second router on the same servers, Catch-Up in small chunks
+
+    def reference(self, ids: list[int], max_new: int = MAX_NEW) -> list[int]:
+        return generate(self.colocated.url, body(ids, max_new))["output_ids"]
+
+
+def body(ids: list[int], max_new: int = MAX_NEW, **extra: object) -> dict:
+    sampling = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+    return {"input_ids": ids, "sampling_params": sampling, **extra}
+
+
+def stream(url: str, payload: dict, timeout: float = 180.0) -> list[dict]:
+    """The SSE chunks of a streamed /generate, parsed."""
+    req = urllib.request.Request(
+        f"{url}/generate",
+        data=json.dumps({**payload, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    chunks = []
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data:") :]))
+    return chunks
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    tb = Testbed("pddcore", LinkParams(RATE_MBIT, DELAY_MS), net="10.217")
+    tb.down()  # whatever a crashed earlier run left
+    tb.up()
+    run_dir = tmp_path_factory.mktemp("pdd_core")
+    colocated = SGLangServer("colocated", tiny_model, free_port(), run_dir)
+    pdd = PDDDeployment.create(tiny_model, run_dir, tb.placement("a"), tb.placement("b"),
+                               router_args=("--handoff-mode", "extend"))  # fmt: skip
+    catchup = RouterService(
+        "router-catchup", free_port(), run_dir, [pdd.prefill], [pdd.relay], [pdd.main],
+        tb.placement("a"),
+        extra_args=["--handoff-mode", "catchup", "--catchup-chunk", "16",
+                    "--catchup-threshold", "8"],
+    )  # fmt: skip
+    colocated.start()
+    try:
+        times = pdd.up()
+        catchup.start()
+        catchup.wait_ready()
+        times["colocated"] = colocated.wait_ready()
+        print(f"start-up seconds: {times}")
+        yield Setup(tb, colocated, pdd, catchup)
+    finally:
+        groups = [*pdd.pgids().values()]
+        groups += [p.process.pgid for p in (colocated, catchup) if p.process is not None]
+        stop_groups(groups)
+        tb.down()
+
+
+def pdd_meta(result: dict) -> dict:
+    return result["meta_info"]["pdd"]
+
+
+def test_extend_handoff_equals_colocated(setup: Setup) -> None:
+    for n in (200, 1500):
+        ids = random_ids(n, seed=3000 + n)
+        got = generate(setup.pdd.url, body(ids))
+        assert got["output_ids"] == setup.reference(ids), n
+        meta = pdd_meta(got)
+        assert meta["path"] == "P->RLD->MD", meta
+        assert meta["handoff_mode"] == "extend", meta
+        assert 1 <= meta["relay_tokens"] < MAX_NEW, meta
+        assert meta["wan_kv_bytes"] == n * 512, meta  # the whole prompt's KV crossed the WAN
+
+
+def test_catch_up_handoff_in_several_chunks_equals_colocated(setup: Setup) -> None:
+    ids = random_ids(1200, seed=41)
+    ref = setup.reference(ids, max_new=160)
+    # A slow WAN: the KV takes ~2 s, so RLD is far ahead when MD is ready.
+    setup.tb.set_rate(SLOW_MBIT)
+    try:
+        got = generate(setup.catchup.url, body(ids, max_new=160))
+    finally:
+        setup.tb.restore()
+    assert got["output_ids"] == ref
+    meta = pdd_meta(got)
+    assert meta["path"] == "P->RLD->MD" and meta["handoff_mode"] == "catchup", meta
+    assert meta["chunks"] >= 2, meta
+
+
+def test_request_ending_on_relay_equals_colocated_and_cancels_md(setup: Setup) -> None:
+    ids = random_ids(700, seed=42)
+    got = generate(setup.pdd.url, body(ids, max_new=2))
+    assert got["output_ids"] == setup.reference(ids, max_new=2)
+    meta = pdd_meta(got)
+    assert meta["relay_tokens"] == 2 and meta["handoff_mode"] is None, meta
+
+
+def test_streamed_equals_non_streamed(setup: Setup) -> None:
+    ids = random_ids(900, seed=43)
+    whole = generate(setup.pdd.url, body(ids))
+    chunks = stream(setup.pdd.url, body(ids))
+    assert chunks[-1]["output_ids"] == whole["output_ids"]
+    assert chunks[-1]["text"] == whole["text"]
+    # Cumulative chunks: each extends the previous, so every token reaches the client once.
+    for before, after in zip(chunks, chunks[1:], strict=False):
+        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+    assert pdd_meta(chunks[-1])["path"] == "P->RLD->MD"
+
+
+@pytest.mark.parametrize("path", ["relay", "main"])
+def test_single_tier_paths_equal_colocated(setup: Setup, path: str) -> None:
+    ids = random_ids(400, seed=44)
+    got = generate(setup.pdd.url, body(ids, pdd_path=path))
+    assert got["output_ids"] == setup.reference(ids)
+    assert pdd_meta(got)["path"] == {"relay": "P->RLD", "main": "P->MD"}[path]
+
+
+def test_sixteen_concurrent_requests(setup: Setup) -> None:
+    prompts = [random_ids(100 + 60 * i, seed=600 + i) for i in range(16)]
+    refs = [setup.reference(ids) for ids in prompts]
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda ids: generate(setup.pdd.url, body(ids), 300), prompts))
+    for i, (g, ref) in enumerate(zip(got, refs, strict=True)):
+        assert g["output_ids"] == ref, f"request {i}"
+    assert {pdd_meta(g)["path"] for g in got} <= {"P->RLD->MD", "P->RLD"}
+
+
+def test_no_kv_leaked_anywhere(setup: Setup) -> None:
+    """Runs last: every server, once idle, passes SGLang's own (strict) leak check."""
+    time.sleep(5)
+    for server in setup.pdd.servers():
+        log = (server.log_dir / f"{server.name}.log").read_text()
+        assert "memory leak" not in log, server.name
+        assert "Traceback" not in log, server.name
+    ids = random_ids(64, seed=45)  # and all still serve
+    assert generate(setup.pdd.url, body(ids))["output_ids"] == setup.reference(ids)
