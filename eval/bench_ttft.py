@@ -1,33 +1,39 @@
-"""TTFT of same-datacenter PD versus naive cross-datacenter PD, live on the testbed.
+"""TTFT of same-datacenter PD, naive cross-datacenter PD and PDD, live on the testbed.
 
-    python -m pdd.eval.bench_ttft [--model models/tiny] [--rate-mbit 100] [--delay-ms 20]
-                                  [--prompt-tokens 3000] [--requests 8] [--out runs/bench_ttft]
+    python -m pdd.eval.bench_ttft [--model models/wide] [--rate-mbit 100] [--delay-ms 20]
+                                  [--prompt-tokens 1200] [--requests 10] [--max-new 96]
+                                  [--out runs/bench_ttft]
 
-Needs root. Brings up its own testbed (name `pddttft`), then, one after the other:
-- same-DC PD: P and D both in datacenter A (the KV moves over A's local, unshaped path);
-- naive cross-DC PD: P in A, D in B (all of the KV crosses the emulated WAN).
-Each gets the same fresh prompts (no shared prefixes, so every token's KV is sent), one at a
-time, with max_new_tokens 1: the latency is the time to first token. Prints a table (P50, P90,
-P99, mean, ratio to same-DC) and writes JSON and a PNG plot to --out. This is the problem PDD
-exists to solve; PDD itself joins the table once it exists.
+Needs root. Brings up its own testbed (name `pddttft`) and one PDD deployment on it: P and
+RelayDecode (RLD) in datacenter A, MainDecode (MD) in B, the PDD router in A. Each request takes
+one of three paths through the same servers:
+- same-DC PD (`pdd_path: relay`, P -> RLD): the KV moves inside datacenter A;
+- naive cross-DC PD (`pdd_path: main`, P -> MD): all of the KV crosses the WAN before the first
+  decode step, exactly as SGLang's own PD does with P and D in different datacenters;
+- PDD (`pdd_path: pdd`, P -> RLD -> MD): RLD streams at once while the KV crosses the WAN, then
+  MD takes over (Extend-Decode or Catch-Up handoff).
+Prompts are fresh (no shared prefixes, so every token's KV is sent), requests one at a time and
+the three paths interleaved, so background noise hits them alike. TTFT is measured by a client
+next to the router: request sent -> first streamed token. Prints a table (P50/P90/P99 TTFT,
+ratios to same-DC, end-to-end latency, tokens made by RLD) and writes JSON and a PNG to --out.
 
-Scale: on this project's 2-core CPU machines a prefill runs ~1000x slower than on a GPU (SmolLM2
-takes ~25 ms per prompt token here), so the WAN must be scaled down alike for the KV transfer to
-weigh what it weighs in production; the tiny model (fast prefill, 512 B of KV per token) at
-100 Mbit/s shows the effect without that.
+Scale: a 2-core CPU prefills ~1000x slower than a GPU, so the default model is `wide` (a tiny
+model's compute with 32 KB of KV per token, like a large model): then, as in production, the
+WAN transfer rather than the prefill decides TTFT.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pdd.eval.client import stream_generate
 from pdd.eval.prompts import random_ids
 from pdd.launch.cli import command_parser
-from pdd.launch.pd_local import LocalPD, generate
+from pdd.launch.pd_local import generate
+from pdd.launch.pdd_deploy import PDDDeployment
 from pdd.launch.process import exit_on_sigterm
 from pdd.launch.testbed import Testbed
 from pdd.launch.wan import LinkParams
@@ -38,6 +44,15 @@ from pdd.models.kv import kv_bytes_per_token
 class Row:
     deployment: str
     ttft_s: list[float]
+    total_s: list[float] = field(default_factory=list)
+    relay_tokens: list[int] = field(default_factory=list)
+    handoffs: list[str | None] = field(default_factory=list)
+
+    def add(self, ttft: float, total: float, meta: dict) -> None:
+        self.ttft_s.append(ttft)
+        self.total_s.append(total)
+        self.relay_tokens.append(meta["relay_tokens"])
+        self.handoffs.append(meta["handoff_mode"])
 
     def pct(self, q: float) -> float:
         ordered = sorted(self.ttft_s)
@@ -48,35 +63,50 @@ class Row:
         return statistics.fmean(self.ttft_s)
 
 
-def measure(name: str, pd: LocalPD, prompts: list[list[int]]) -> Row:
-    print(f"[{name}] starting P + D + router", flush=True)
-    times = pd.up()
-    print(f"[{name}] up in {times['deployment']:.0f}s; warming up", flush=True)
-    try:
-        generate(pd.url, {"input_ids": prompts[0][:64], "sampling_params": {"max_new_tokens": 1}})
-        ttft = []
-        for i, ids in enumerate(prompts, 1):
-            start = time.monotonic()
-            generate(pd.url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})
-            ttft.append(time.monotonic() - start)
-            print(f"[{name}] request {i}/{len(prompts)}: TTFT {ttft[-1]:.2f}s", flush=True)
-    finally:
-        pd.down()
-    return Row(name, ttft)
+PATHS = {"same-DC PD": "relay", "naive cross-DC PD": "main", "PDD": "pdd"}
+
+
+def measure(url: str, prompts: list[list[int]], max_new: int) -> list[Row]:
+    rows = {name: Row(name, []) for name in PATHS}
+    for i, ids in enumerate(prompts, 1):
+        for name, path in PATHS.items():
+            sampling = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+            got = stream_generate(url, {"input_ids": ids, "sampling_params": sampling,
+                                        "pdd_path": path})  # fmt: skip
+            assert got.ttft_s is not None
+            meta = got.final["meta_info"]["pdd"]
+            rows[name].add(got.ttft_s, got.total_s, meta)
+            print(f"[{i}/{len(prompts)}] {name:18s} TTFT {got.ttft_s:5.2f}s  total "
+                  f"{got.total_s:5.2f}s  path {meta['path']:10s} RLD tokens "
+                  f"{meta['relay_tokens']}", flush=True)  # fmt: skip
+    return list(rows.values())
 
 
 def table(rows: list[Row]) -> str:
-    base = rows[0].pct(50)
+    base = rows[0]
     lines = [
-        f"{'deployment':18s} {'P50 s':>7s} {'P90 s':>7s} {'P99 s':>7s} {'mean s':>7s} "
-        f"{'P50 vs same-DC':>15s}"
+        f"{'deployment':18s} {'TTFT P50':>8s} {'P90':>6s} {'P99':>6s} {'P50 ratio':>9s} "
+        f"{'P99 ratio':>9s} {'e2e P50':>7s} {'RLD tokens':>10s} {'handoffs':>8s}"
     ]
     for r in rows:
+        handoffs = sum(h is not None for h in r.handoffs)
         lines.append(
-            f"{r.deployment:18s} {r.pct(50):7.2f} {r.pct(90):7.2f} {r.pct(99):7.2f} "
-            f"{r.mean:7.2f} {r.pct(50) / base:14.2f}x"
+            f"{r.deployment:18s} {r.pct(50):8.2f} {r.pct(90):6.2f} {r.pct(99):6.2f} "
+            f"{r.pct(50) / base.pct(50):8.2f}x {r.pct(99) / base.pct(99):8.2f}x "
+            f"{statistics.median(r.total_s):7.2f} {statistics.fmean(r.relay_tokens):10.1f} "
+            f"{handoffs:8d}"
         )
     return "\n".join(lines)
+
+
+def verdict(rows: list[Row]) -> str:
+    same, naive, pdd = (r.pct(99) for r in rows)
+    return (
+        f"target PDD TTFT P99 <= 1.2x same-DC: {pdd / same:.2f}x "
+        f"({'met' if pdd <= 1.2 * same else 'NOT met'}); "
+        f"naive cross-DC P99 >= 3x same-DC: {naive / same:.2f}x "
+        f"({'met' if naive >= 3 * same else 'NOT met'})"
+    )
 
 
 def plot(rows: list[Row], path: Path, title: str) -> None:
@@ -96,11 +126,12 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = command_parser("pdd.eval.bench_ttft", __doc__)
-    parser.add_argument("--model", type=Path, default=Path("models/tiny"))
+    parser.add_argument("--model", type=Path, default=Path("models/wide"))
     parser.add_argument("--rate-mbit", type=float, default=100.0)
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one way")
-    parser.add_argument("--prompt-tokens", type=int, default=3000)
-    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=1200)
+    parser.add_argument("--requests", type=int, default=10)
+    parser.add_argument("--max-new", type=int, default=96, help="output tokens per request")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_ttft"))
     args = parser.parse_args(argv)
     exit_on_sigterm()
@@ -117,15 +148,20 @@ def main(argv: list[str] | None = None) -> None:
     tb.down()
     tb.up()
     args.out.mkdir(parents=True, exist_ok=True)
+    pdd = PDDDeployment.create(args.model, args.out, tb.placement("a"), tb.placement("b"))
     try:
-        a, b = tb.placement("a"), tb.placement("b")
-        same = LocalPD.create(args.model, args.out / "same-dc", prefill_at=a, decode_at=a)
-        naive = LocalPD.create(args.model, args.out / "cross-dc", prefill_at=a, decode_at=b)
-        rows = [measure("same-DC PD", same, prompts), measure("naive cross-DC PD", naive, prompts)]
+        print("starting P + RLD (datacenter A), MD (B) and the router (A)", flush=True)
+        times = pdd.up()
+        print(f"up in {times['deployment']:.0f}s; warming up", flush=True)
+        for path in PATHS.values():
+            generate(pdd.url, {"input_ids": prompts[0][:64], "pdd_path": path,
+                               "sampling_params": {"max_new_tokens": 4}})  # fmt: skip
+        rows = measure(pdd.url, prompts, args.max_new)
     finally:
+        pdd.down()
         tb.down()
 
-    print(f"\n{title}\n{table(rows)}")
+    print(f"\n{title}\n{table(rows)}\n{verdict(rows)}")
     data = {"title": title, "kv_mb": kv_mb, "wire_s": wire_s, "rows": [asdict(r) for r in rows]}
     (args.out / "ttft.json").write_text(json.dumps(data, indent=2) + "\n")
     plot(rows, args.out / "ttft.png", title)

@@ -31,6 +31,7 @@ from pdd.control.messages import (
 from pdd.launch.pd_local import generate
 from pdd.launch.process import free_port, stop_groups
 from pdd.launch.servers import SGLangServer
+from pdd.models.tiny import VOCAB_SIZE
 from tests.test_pd_same_dc import random_ids
 
 MAX_NEW = 40
@@ -172,10 +173,9 @@ def test_bad_handoffs_are_rejected_and_the_request_survives(deployment: Deployme
     ids = random_ids(90, seed=5)
     ref = reference(deployment, ids)
     parked = Parked(deployment, ids)
-    wrong_first = (ref[0] + 1) % 1000
     for bad in (
         Handoff(rid=parked.rid, start=3, tokens=tuple(ref[3:9])),  # MD holds 0 tokens
-        Handoff(rid=parked.rid, start=0, tokens=(wrong_first, *ref[1:5])),  # not P's token
+        Handoff(rid=parked.rid, start=0, tokens=(*ref[:4], VOCAB_SIZE)),  # not a token
         Handoff(rid=parked.rid, start=0, tokens=tuple(ref) + (1,)),  # over max_new_tokens
     ):
         deployment.send(bad)
@@ -183,6 +183,18 @@ def test_bad_handoffs_are_rejected_and_the_request_survives(deployment: Deployme
         assert isinstance(err, Error), err
     deployment.send(Handoff(rid=parked.rid, start=0, tokens=tuple(ref[:6])))
     assert parked.output()["output_ids"] == ref
+
+
+def test_relay_tokens_win_over_ps_first_token(deployment: Deployment) -> None:
+    """With sampling, P's prefill for MD may sample another first token than RLD got: MD must
+    continue from what RLD streamed."""
+    ids = random_ids(150, seed=11)
+    ref = reference(deployment, ids)
+    parked = Parked(deployment, ids)
+    other = (ref[0] + 1) % VOCAB_SIZE
+    deployment.send(Handoff(rid=parked.rid, start=0, tokens=(other,)))
+    expected = reference(deployment, [*ids, other])  # the same context from the start
+    assert parked.output()["output_ids"] == [other, *expected[: MAX_NEW - 1]]
 
 
 def test_cancel_and_timeout_free_the_request(deployment: Deployment) -> None:

@@ -6,10 +6,8 @@ Every path must produce a colocated server's greedy tokens, streamed or not.
 
 from __future__ import annotations
 
-import json
 import os
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from pdd.eval.client import stream_generate
 from pdd.launch.pd_local import generate
 from pdd.launch.pdd_deploy import PDDDeployment
 from pdd.launch.process import free_port, stop_groups
@@ -50,22 +49,6 @@ class Setup:
 def body(ids: list[int], max_new: int = MAX_NEW, **extra: object) -> dict:
     sampling = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
     return {"input_ids": ids, "sampling_params": sampling, **extra}
-
-
-def stream(url: str, payload: dict, timeout: float = 180.0) -> list[dict]:
-    """The SSE chunks of a streamed /generate, parsed."""
-    req = urllib.request.Request(
-        f"{url}/generate",
-        data=json.dumps({**payload, "stream": True}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    chunks = []
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if line.startswith("data:") and line != "data: [DONE]":
-                chunks.append(json.loads(line[len("data:") :]))
-    return chunks
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +123,7 @@ def test_request_ending_on_relay_equals_colocated_and_cancels_md(setup: Setup) -
 def test_streamed_equals_non_streamed(setup: Setup) -> None:
     ids = random_ids(900, seed=43)
     whole = generate(setup.pdd.url, body(ids))
-    chunks = stream(setup.pdd.url, body(ids))
+    chunks = stream_generate(setup.pdd.url, body(ids)).chunks
     assert chunks[-1]["output_ids"] == whole["output_ids"]
     assert chunks[-1]["text"] == whole["text"]
     # Cumulative chunks: each extends the previous, so every token reaches the client once.

@@ -152,7 +152,7 @@ class MainDecode:
             logger.info("PDD: %s for rid %s, which is not parked", type(msg).__name__, msg.rid)
             return None
         if isinstance(msg, Chunk | Handoff):
-            reason = _token_problem(parked, msg)
+            reason = _token_problem(parked, msg, self.scheduler.model_config.vocab_size)
             if reason is not None:
                 self._reject(parked, msg.rid, reason)
                 return None
@@ -271,12 +271,14 @@ def _tokens(parked: Parked, msg: Chunk | Handoff) -> tuple[int, ...]:
     return (*parked.req.output_ids[: msg.start], *msg.tokens)
 
 
-def _token_problem(parked: Parked, msg: Chunk | Handoff) -> str | None:
+def _token_problem(parked: Parked, msg: Chunk | Handoff, vocab_size: int) -> str | None:
     if msg.start != parked.done:
         return f"{type(msg).__name__} starts at {msg.start}, MD holds KV for {parked.done} tokens"
-    first = int(parked.req.output_ids[0])
-    if msg.start == 0 and msg.tokens and msg.tokens[0] != first:
-        return f"first handed-over token {msg.tokens[0]} is not P's first token {first}"
+    # RLD's tokens are what the client saw, so they win, even over the first token P sampled for
+    # MD (with temperature > 0 P's two prefills may sample differently); they only must exist.
+    vocab = vocab_size
+    if any(not 0 <= t < vocab for t in msg.tokens):
+        return f"a handed-over token is outside the vocabulary (size {vocab})"
     if isinstance(msg, Chunk) and not msg.tokens:
         return "empty chunk"
     budget = parked.req.sampling_params.max_new_tokens

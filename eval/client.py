@@ -1,0 +1,43 @@
+"""A blocking client for SGLang-native `/generate` streams, as benchmarks and tests use it."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Streamed:
+    chunks: list[dict] = field(default_factory=list)
+    ttft_s: float | None = None  # request sent -> first chunk carrying an output token
+    total_s: float = 0.0
+
+    @property
+    def final(self) -> dict:
+        return self.chunks[-1]
+
+
+def stream_generate(url: str, payload: dict, timeout: float = 300.0) -> Streamed:
+    """POSTs `payload` with stream=true and reads the SSE chunks (cumulative, SGLang's default)."""
+    req = urllib.request.Request(
+        f"{url}/generate",
+        data=json.dumps({**payload, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    out = Streamed()
+    start = time.monotonic()
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data:") :])
+            if out.ttft_s is None and chunk.get("output_ids"):
+                out.ttft_s = time.monotonic() - start
+            out.chunks.append(chunk)
+    out.total_s = time.monotonic() - start
+    if not out.chunks:
+        raise RuntimeError(f"{url}/generate streamed no chunk")
+    return out
