@@ -41,8 +41,15 @@ def free_port() -> int:
 
 
 def exit_on_sigterm() -> None:
-    """Turn SIGTERM into SystemExit, so `finally` blocks stop the servers a launcher started."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    """Turn SIGTERM into SystemExit, so `finally` blocks stop the servers a launcher started.
+    Later SIGTERMs (e.g. from `timeout` as well as `kill`) are ignored: they would abort that
+    cleanup halfway."""
+
+    def handler(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def reap(pid: int) -> None:
