@@ -22,7 +22,7 @@ setup(
     version="0.1.0",
     description="Cross-datacenter heterogeneous prefill-decode disaggregation for SGLang",
     python_requires=">=3.10",
-    packages=["pdd", "pdd.models", "pdd.srt", *FOLDERS],
+    packages=["pdd", "pdd.control", "pdd.models", "pdd.policy", "pdd.router", "pdd.srt", *FOLDERS],
     package_dir={"pdd": "pdd", **FOLDERS},
     install_requires=COMMON,
     extras_require={

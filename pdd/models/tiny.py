@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -47,7 +48,7 @@ SHAPES = {"tiny": TINY, "wide": WIDE}
 def make_tiny(out: Path, shape: Shape = TINY) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(VOCAB_SIZE)
-    extra = {} if shape.head_dim is None else {"head_dim": shape.head_dim}
+    extra: dict[str, Any] = {} if shape.head_dim is None else {"head_dim": shape.head_dim}
     config_cls, model_cls = (
         (LlamaConfig, LlamaForCausalLM) if shape.llama else (Qwen2Config, Qwen2ForCausalLM)
     )

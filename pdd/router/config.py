@@ -1,0 +1,231 @@
+"""The router's configuration: its instances, addresses, handoff policy and timeouts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from pdd.policy.handoff import MODES, HandoffPolicy
+from pdd.policy.path import PATHS
+
+ENV_SECRET = "PDD_CONTROL_SECRET"
+
+
+def _check_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected an http://host:port URL, got {url!r}")
+    return url.rstrip("/")
+
+
+def _port(value: str | int, what: str) -> int:
+    port = int(value)
+    if not 0 < port < 65536:
+        raise ValueError(f"{what} must be in 1-65535, got {port}")
+    return port
+
+
+@dataclass(frozen=True)
+class PrefillTarget:
+    url: str
+    bootstrap_port: int
+
+    @property
+    def bootstrap_host(self) -> str:
+        host = urlsplit(self.url).hostname
+        assert host is not None
+        return host
+
+
+@dataclass(frozen=True)
+class RelayTarget:
+    url: str
+
+
+@dataclass(frozen=True)
+class MainTarget:
+    url: str
+    control_port: int
+
+    @property
+    def control_addr(self) -> str:
+        return f"tcp://{urlsplit(self.url).hostname}:{self.control_port}"
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect: float = 10.0  # TCP connect to an instance
+    ready: float = 60.0  # request start -> MD's READY; after it RLD finishes the request alone
+    ack: float = 30.0  # Catch-Up CHUNK -> MD's ACK
+    stream_idle: float = 300.0  # longest silence inside a stream
+    request: float = 1800.0  # a whole request
+    abort: float = 5.0  # best-effort /abort_request calls
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefill: tuple[PrefillTarget, ...]
+    relay: tuple[RelayTarget, ...] = ()
+    main: tuple[MainTarget, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    control_host: str = "127.0.0.1"
+    control_port: int = 0  # 0: any free port
+    control_advertise: str | None = None  # the host MD reaches the router at, if not control_host
+    path: str = "pdd"
+    handoff: HandoffPolicy = field(default_factory=HandoffPolicy)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    secret: bytes | None = None
+    # Feed MD only once the client has this many tokens from RLD: emulates a slow WAN transfer
+    # without a testbed, so tests can force Catch-Up deterministically; 0 in production.
+    md_feed_after_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prefill:
+            raise ValueError("at least one --prefill instance is needed")
+        if self.path not in PATHS:
+            raise ValueError(f"--path must be one of {PATHS}, got {self.path!r}")
+        if self.path in ("pdd", "relay") and not self.relay:
+            raise ValueError(f"--path {self.path} needs at least one --relay instance")
+        if self.path in ("pdd", "main") and not self.main:
+            raise ValueError(f"--path {self.path} needs at least one --main instance")
+
+    @property
+    def advertise_host(self) -> str:
+        if self.control_advertise:
+            return self.control_advertise
+        if self.control_host in ("0.0.0.0", "*", "::"):
+            raise ValueError("--control-host binds every address: give --control-advertise")
+        return self.control_host
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    add = parser.add_argument
+    add(
+        "--prefill",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("URL", "BOOTSTRAP_PORT"),
+        help="a prefill (P) server and its disaggregation bootstrap port; repeatable",
+    )
+    add(
+        "--relay",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a RelayDecode (RLD) server: a plain SGLang decode server; repeatable",
+    )
+    add(
+        "--main",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("URL", "CONTROL_PORT"),
+        help="a MainDecode (MD) server and its --pdd-control-port; repeatable",
+    )
+    add("--host", default="127.0.0.1")
+    add("--port", type=int, default=8000)
+    add("--control-host", default="127.0.0.1", help="where the router's control socket binds")
+    add("--control-port", type=int, default=0, help="its port (0: any free port)")
+    add(
+        "--control-advertise",
+        default=None,
+        help="the host MD servers reach the control socket at (default: --control-host)",
+    )
+    add(
+        "--path",
+        choices=PATHS,
+        default="pdd",
+        help="default path when a request has no pdd_path: pdd (P->RLD->MD), relay (P->RLD), "
+        "main (P->MD)",
+    )
+    add("--handoff-mode", choices=MODES, default="auto")
+    add("--catchup-chunk", type=int, default=64, help="tokens per Catch-Up chunk")
+    add(
+        "--catchup-max-chunks",
+        type=int,
+        default=32,
+        help="after this many Catch-Up chunks the rest goes in the final handoff",
+    )
+    add(
+        "--catchup-threshold",
+        type=int,
+        default=64,
+        help="hand off in one extend when at most this many tokens are pending",
+    )
+    add(
+        "--auto-max-relay-load",
+        type=int,
+        default=4,
+        help="auto mode uses Catch-Up while an RLD runs at most this many relay requests",
+    )
+    add(
+        "--ready-timeout",
+        type=float,
+        default=Timeouts.ready,
+        help="seconds from a request's start to MD's READY; RLD finishes the request alone after",
+    )
+    add("--ack-timeout", type=float, default=Timeouts.ack)
+    add("--connect-timeout", type=float, default=Timeouts.connect)
+    add("--stream-idle-timeout", type=float, default=Timeouts.stream_idle)
+    add("--request-timeout", type=float, default=Timeouts.request)
+    add(
+        "--secret-file",
+        type=Path,
+        default=None,
+        help=f"the control-plane HMAC secret (else ${ENV_SECRET}; unset: unsigned messages)",
+    )
+    add(
+        "--md-feed-after-tokens",
+        type=int,
+        default=0,
+        help="testing: feed MD only after RLD has streamed this many tokens (emulates a slow WAN)",
+    )
+    add("--log-level", default="info")
+    return parser
+
+
+def read_secret(path: Path | None) -> bytes | None:
+    if path is not None:
+        secret = path.read_bytes().strip()
+        if not secret:
+            raise ValueError(f"secret file {path} is empty")
+        return secret
+    env = os.environ.get(ENV_SECRET)
+    return env.encode() if env else None
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        prefill=tuple(
+            PrefillTarget(_check_url(u), _port(p, "bootstrap port")) for u, p in args.prefill
+        ),
+        relay=tuple(RelayTarget(_check_url(u)) for u in args.relay),
+        main=tuple(MainTarget(_check_url(u), _port(p, "control port")) for u, p in args.main),
+        host=args.host,
+        port=args.port,
+        control_host=args.control_host,
+        control_port=args.control_port,
+        control_advertise=args.control_advertise,
+        path=args.path,
+        handoff=HandoffPolicy(
+            mode=args.handoff_mode,
+            chunk=args.catchup_chunk,
+            threshold=args.catchup_threshold,
+            auto_max_relay_load=args.auto_max_relay_load,
+            max_chunks=args.catchup_max_chunks,
+        ),
+        timeouts=Timeouts(
+            connect=args.connect_timeout,
+            ready=args.ready_timeout,
+            ack=args.ack_timeout,
+            stream_idle=args.stream_idle_timeout,
+            request=args.request_timeout,
+        ),
+        secret=read_secret(args.secret_file),
+        md_feed_after_tokens=args.md_feed_after_tokens,
+    )

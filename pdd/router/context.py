@@ -1,0 +1,103 @@
+"""What every request of the router shares: HTTP session, control socket, load counts, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from pdd.control.channel import AsyncControlSocket, Received
+from pdd.control.messages import Message
+from pdd.policy.balance import pick_least_loaded
+from pdd.router.config import RouterConfig
+from pdd.router.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+TIERS = ("prefill", "relay", "main")
+
+
+@dataclass
+class Load:
+    """Requests the router has in flight on each instance of one tier."""
+
+    active: list[int]
+    cursor: int = 0
+
+    def pick(self) -> int:
+        i = pick_least_loaded(self.active, self.cursor)
+        self.cursor = (i + 1) % len(self.active)
+        return i
+
+
+@dataclass
+class RouterContext:
+    config: RouterConfig
+    session: aiohttp.ClientSession
+    control: AsyncControlSocket
+    reply_to: str  # the control address MD servers send READY/ACK/ERROR to
+    metrics: Metrics = field(default_factory=Metrics)
+    loads: dict[str, Load] = field(default_factory=dict)
+    subscribers: dict[str, asyncio.Queue[Any]] = field(default_factory=dict)
+    background: set[asyncio.Task[Any]] = field(default_factory=set)
+    unknown_rids: int = 0
+
+    def __post_init__(self) -> None:
+        sizes = {
+            "prefill": len(self.config.prefill),
+            "relay": len(self.config.relay),
+            "main": len(self.config.main),
+        }
+        for tier in TIERS:
+            self.loads.setdefault(tier, Load([0] * sizes[tier]))
+
+    def acquire(self, tier: str) -> int:
+        load = self.loads[tier]
+        i = load.pick()
+        load.active[i] += 1
+        return i
+
+    def release(self, tier: str, i: int) -> None:
+        self.loads[tier].active[i] -= 1
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """A background task the router keeps a reference to until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
+
+    def send(self, addr: str, msg: Message) -> int:
+        n = self.control.send(addr, msg)
+        self.metrics.inc("control_bytes_total", n, direction="out")
+        return n
+
+    def subscribe(self, rid: str, queue: asyncio.Queue[Any]) -> None:
+        self.subscribers[rid] = queue
+
+    def unsubscribe(self, rid: str) -> None:
+        self.subscribers.pop(rid, None)
+
+    def dispatch(self, received: Received) -> None:
+        self.metrics.inc("control_bytes_total", received.nbytes, direction="in")
+        queue = self.subscribers.get(received.msg.rid)
+        if queue is None:
+            # Normal for a message that crosses the request's end (e.g. READY after a CANCEL).
+            self.unknown_rids += 1
+            logger.debug("control %s for unknown request %s", received.msg, received.msg.rid)
+            return
+        queue.put_nowait(received)
+
+    async def control_loop(self) -> None:
+        while True:
+            try:
+                self.dispatch(await self.control.recv())
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the control plane must outlive any one bad message
+                logger.exception("control loop error")
+                await asyncio.sleep(0.01)

@@ -1,0 +1,567 @@
+"""One request through P->RLD->MD (or P->RLD, or P->MD): fan-out, handoff, stitching, cleanup.
+
+All decisions happen in one task that consumes one event queue (stream chunks, P answers,
+control messages, deadlines), so the handoff snapshot is always exactly what the client got.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+from pdd.control.channel import Received
+from pdd.control.messages import Ack, Cancel, Chunk, Error, Handoff, Ready, route_hint
+from pdd.policy.handoff import Step, choose_mode, handoff_tokens, next_step
+from pdd.policy.path import LABELS, PathChoice
+from pdd.router.context import RouterContext
+from pdd.router.stitch import Kind, Phase, Stitcher
+from pdd.router.upstream import UpstreamError, abort_request, post_generate, stream_generate
+
+logger = logging.getLogger(__name__)
+
+ROOM_LIMIT = 2**62  # rooms travel as int64; stay well inside it
+DISCONNECT_POLL_S = 1.0
+MAX_REASON = 1000
+
+
+class MdState(Enum):
+    UNUSED = "unused"  # the path does not hand off to MD
+    PENDING = "pending"  # waiting for READY
+    CATCHUP = "catchup"  # a Catch-Up chunk is in flight
+    HANDED_OFF = "handed_off"
+    DEAD = "dead"  # failed, timed out or cancelled; RLD serves the request
+
+
+class RelayState(Enum):
+    UNUSED = "unused"
+    RUNNING = "running"
+    STOPPED = "stopped"  # we stopped it at the handoff
+    FINISHED = "finished"  # it finished the request
+    DEAD = "dead"
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    source: str  # "relay" | "main"
+    chunk: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    source: str
+    error: UpstreamError | None
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    which: str  # "p" (room R, or the only one on P->MD) | "p2" (room R2, for MD)
+    error: UpstreamError | None
+
+
+@dataclass(frozen=True)
+class Output:
+    chunk: dict[str, Any]
+    final: bool = False
+    failed: bool = False  # the final chunk reports a failure after output had begun
+
+
+@dataclass
+class PddMeta:
+    """`meta_info["pdd"]` of the client's final chunk."""
+
+    path: str
+    path_reason: str
+    rid: str
+    relay_tokens: int = 0
+    main_tokens: int = 0
+    handoff_mode: str | None = None
+    chunks: int = 0
+    handoff_latency_s: float | None = None
+    wan_kv_bytes: int | None = None
+    md_cached_tokens: int | None = None
+    md_prompt_tokens: int | None = None
+    control_bytes: int = 0
+    md_failure: str | None = None
+    relay_failure: str | None = None
+    instances: dict[str, str] = field(default_factory=dict)
+    # Seconds since the router received the request.
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _cut(reason: str) -> str:
+    return reason if len(reason) <= MAX_REASON else reason[: MAX_REASON - 3] + "..."
+
+
+class PddRequest:
+    def __init__(
+        self,
+        ctx: RouterContext,
+        body: dict[str, Any],
+        choice: PathChoice,
+        disconnected: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.config
+        self.body = body  # the client's body minus router fields; `stream` is set per call
+        self.path = choice.path
+        self.rid = uuid.uuid4().hex
+        self.disconnected = disconnected
+        self.meta = PddMeta(choice.label, choice.reason, self.rid)
+        self.events: asyncio.Queue[Any] = asyncio.Queue()
+        self.stitcher = Stitcher(self.rid, Phase.MAIN if self.path == "main" else Phase.RELAY)
+        self.md = MdState.PENDING if self.path == "pdd" else MdState.UNUSED
+        self.relay = RelayState.UNUSED
+        self.room = random.randrange(ROOM_LIMIT)  # P -> RLD
+        self.room_md = random.randrange(ROOM_LIMIT)  # P -> MD
+        self.ready: Ready | None = None
+        self.done = 0  # leading output tokens MD holds KV for (Catch-Up)
+        self.inflight: Step | None = None
+        self.ack_deadline: float | None = None
+        self.t0 = time.monotonic()
+        self.sent_outputs = 0
+        self.succeeded = False
+        self.closed = False
+        self.tasks: dict[str, asyncio.Task[Any]] = {}
+        self.held: dict[str, int] = {}  # tier -> instance index
+        self.released: set[str] = set()
+
+    # --- set-up ------------------------------------------------------------------------------
+
+    def _now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def _mark(self, name: str) -> None:
+        self.meta.timings.setdefault(name, round(self._now(), 6))
+
+    def _body(self, *, rid: str, room: int, stream: bool, hints: dict | None = None) -> dict:
+        prefill = self.cfg.prefill[self.held["prefill"]]
+        body = {
+            **self.body,
+            "rid": rid,
+            "stream": stream,
+            "bootstrap_host": prefill.bootstrap_host,
+            "bootstrap_port": prefill.bootstrap_port,
+            "bootstrap_room": room,
+        }
+        if hints is not None:
+            body["kv_hints"] = hints
+        return body
+
+    def start(self) -> None:
+        self.ctx.subscribe(self.rid, self.events)
+        self.held["prefill"] = self.ctx.acquire("prefill")
+        self.meta.instances["prefill"] = self.cfg.prefill[self.held["prefill"]].url
+        if self.path in ("pdd", "relay"):
+            self.held["relay"] = self.ctx.acquire("relay")
+            self.meta.instances["relay"] = self.relay_url
+            self.relay = RelayState.RUNNING
+            self._prefill("p", self.room)
+            relay_body = self._body(rid=f"{self.rid}-r", room=self.room, stream=True)
+            self._stream("relay", self.relay_url, relay_body, "RLD")
+        if self.path in ("pdd", "main"):
+            self.held["main"] = self.ctx.acquire("main")
+            self.meta.instances["main"] = self.main_url
+            park = self.path == "pdd"
+            hints = route_hint(role="main", park=park, reply_to=self.ctx.reply_to)
+            main_body = self._body(rid=self.rid, room=self.room_md, stream=True, hints=hints)
+            self._stream("main", self.main_url, main_body, "MD")
+        if self.path == "main":
+            self._prefill("p", self.room_md)
+
+    @property
+    def prefill_url(self) -> str:
+        return self.cfg.prefill[self.held["prefill"]].url
+
+    @property
+    def relay_url(self) -> str:
+        return self.cfg.relay[self.held["relay"]].url
+
+    @property
+    def main_url(self) -> str:
+        return self.cfg.main[self.held["main"]].url
+
+    @property
+    def main_addr(self) -> str:
+        return self.cfg.main[self.held["main"]].control_addr
+
+    def _prefill(self, which: str, room: int) -> None:
+        body = self._body(rid=f"{self.rid}-{which}", room=room, stream=False)
+
+        async def run() -> None:
+            try:
+                await post_generate(
+                    self.ctx.session, self.prefill_url, body, self.cfg.timeouts, "P"
+                )
+                self.events.put_nowait(PrefillDone(which, None))
+            except UpstreamError as err:
+                self.events.put_nowait(PrefillDone(which, err))
+            except Exception as err:  # a bug here must end the request, not hang it
+                logger.exception("request %s: prefill call failed", self.rid)
+                self.events.put_nowait(PrefillDone(which, UpstreamError(502, repr(err))))
+
+        self.tasks[which] = self.ctx.spawn(run())
+
+    def _stream(self, source: str, url: str, body: dict, role: str) -> None:
+        async def run() -> None:
+            try:
+                gen = stream_generate(self.ctx.session, url, body, self.cfg.timeouts, role)
+                async for chunk in gen:
+                    self.events.put_nowait(StreamChunk(source, chunk))
+                self.events.put_nowait(StreamEnd(source, None))
+            except UpstreamError as err:
+                self.events.put_nowait(StreamEnd(source, err))
+            except Exception as err:
+                logger.exception("request %s: %s stream failed", self.rid, role)
+                self.events.put_nowait(StreamEnd(source, UpstreamError(502, repr(err))))
+
+        self.tasks[source] = self.ctx.spawn(run())
+
+    # --- the event loop ----------------------------------------------------------------------
+
+    async def outputs(self) -> AsyncGenerator[Output, None]:
+        """The client's chunks, the last one final. Raises UpstreamError when the request fails
+        before anything was produced (the client then gets a plain HTTP error)."""
+        while True:
+            wait = max(0.0, min(self._next_deadline() - time.monotonic(), DISCONNECT_POLL_S))
+            try:
+                event = await asyncio.wait_for(self.events.get(), wait)
+            except asyncio.TimeoutError:
+                event = None
+            if self.disconnected():
+                logger.info("request %s: client disconnected", self.rid)
+                self.ctx.metrics.inc("errors_total", kind="client_disconnected")
+                return
+            outs = self._on_tick() if event is None else self._handle(event)
+            for out in outs:
+                self.sent_outputs += 1
+                yield out
+                if out.final:
+                    return
+
+    def _next_deadline(self) -> float:
+        deadlines = [self.t0 + self.cfg.timeouts.request]
+        if self.md is MdState.PENDING:
+            deadlines.append(self.t0 + self.cfg.timeouts.ready)
+        if self.md is MdState.CATCHUP and self.ack_deadline is not None:
+            deadlines.append(self.ack_deadline)
+        return min(deadlines)
+
+    def _handle(self, event: Any) -> list[Output]:
+        if isinstance(event, StreamChunk):
+            if event.source == "relay":
+                return self._on_relay_chunk(event.chunk)
+            return self._on_main_chunk(event.chunk)
+        if isinstance(event, StreamEnd):
+            return self._on_stream_end(event)
+        if isinstance(event, PrefillDone):
+            return self._on_prefill(event)
+        if isinstance(event, Received):
+            return self._on_control(event)
+        raise TypeError(f"unknown event {event!r}")
+
+    def _on_tick(self) -> list[Output]:
+        now = time.monotonic()
+        if now >= self.t0 + self.cfg.timeouts.request:
+            return self._fail(f"request timed out after {self.cfg.timeouts.request:.0f}s", 504)
+        if self.md is MdState.PENDING and now >= self.t0 + self.cfg.timeouts.ready:
+            return self._md_dead(f"MD not ready within {self.cfg.timeouts.ready:g}s", "timeout")
+        if self.md is MdState.CATCHUP and self.ack_deadline and now >= self.ack_deadline:
+            return self._md_dead(f"no ACK within {self.cfg.timeouts.ack:g}s", "timeout")
+        return []
+
+    # --- P -----------------------------------------------------------------------------------
+
+    def _on_prefill(self, event: PrefillDone) -> list[Output]:
+        if event.which == "p2":
+            if event.error is None:
+                self._mark("prefill_md_done")
+                return []
+            if self.md in (MdState.PENDING, MdState.CATCHUP):
+                return self._md_dead(f"prefill for MD failed: {event.error.reason}", "prefill")
+            return []
+        if event.error is not None:
+            self.ctx.metrics.inc("errors_total", kind="prefill")
+            return self._fail(f"prefill failed: {event.error.reason}", event.error.status)
+        self._mark("prefill_done")
+        self._maybe_feed_main()
+        return []
+
+    def _maybe_feed_main(self) -> None:
+        """Once P answered for RLD, P's radix cache holds the prompt, so feeding MD (a second
+        request to P, room R2) costs P about one token."""
+        if self.md is not MdState.PENDING or "p2" in self.tasks:
+            return
+        if "prefill_done" not in self.meta.timings:
+            return
+        if len(self.stitcher.emitted) < self.cfg.md_feed_after_tokens:
+            return
+        self._mark("prefill_md_sent")
+        self._prefill("p2", self.room_md)
+
+    # --- RLD ---------------------------------------------------------------------------------
+
+    def _on_relay_chunk(self, chunk: dict[str, Any]) -> list[Output]:
+        if self.relay is not RelayState.RUNNING:
+            return []
+        fed = self.stitcher.feed_relay(chunk)
+        if fed.kind is Kind.FAILED:
+            return self._relay_dead(fed.reason, fed.status)
+        if fed.kind is Kind.IGNORED or fed.chunk is None:
+            return []
+        self._mark("first_token")
+        if not fed.final:
+            self._maybe_feed_main()
+            return [Output(fed.chunk)]
+        # RLD finished before the handoff: that is the client's answer.
+        self.relay = RelayState.FINISHED
+        self._release("relay")
+        self.meta.relay_tokens = len(self.stitcher.emitted)
+        outs: list[Output] = []
+        if self.path == "pdd":
+            self.meta.path = LABELS["relay"]
+            outs = self._md_dead("RLD finished the request first", "relay_finished")
+        return outs + [self._final(fed.chunk)]
+
+    def _relay_dead(self, reason: str, status: int = 502) -> list[Output]:
+        self.relay = RelayState.DEAD
+        self.meta.relay_failure = _cut(reason)
+        self._release("relay")
+        self.ctx.metrics.inc("errors_total", kind="relay")
+        if 400 <= status < 500:
+            # The request itself is bad: MD would refuse it as well.
+            return self._fail(reason, status)
+        if self.md in (MdState.PENDING, MdState.CATCHUP):
+            # MD can still take over from what the client has; it does on READY / ACK.
+            return []
+        return self._fail(reason, 502)
+
+    def _stop_relay(self) -> None:
+        if self.relay is not RelayState.RUNNING:
+            return
+        self.relay = RelayState.STOPPED
+        self._release("relay")
+        self._cancel_task("relay")
+        self.ctx.spawn(
+            abort_request(self.ctx.session, self.relay_url, f"{self.rid}-r", self.cfg.timeouts)
+        )
+
+    # --- MD ----------------------------------------------------------------------------------
+
+    def _on_main_chunk(self, chunk: dict[str, Any]) -> list[Output]:
+        if self.md is MdState.DEAD:
+            return []
+        fed = self.stitcher.feed_main(chunk)
+        if fed.kind is Kind.FAILED:
+            if self.md in (MdState.PENDING, MdState.CATCHUP):
+                return self._md_dead(fed.reason, "main")
+            self.ctx.metrics.inc("errors_total", kind="main")
+            return self._fail(fed.reason, fed.status)
+        if fed.kind is Kind.IGNORED or fed.chunk is None:
+            return []
+        self._mark("first_token")
+        if self.md is MdState.HANDED_OFF and fed.new_tokens and self.meta.handoff_latency_s is None:
+            self._mark("first_main_token")
+            t = self.meta.timings
+            self.meta.handoff_latency_s = round(t["first_main_token"] - t["handoff_sent"], 6)
+        self.meta.main_tokens = len(self.stitcher.emitted) - self.meta.relay_tokens
+        return [self._final(fed.chunk)] if fed.final else [Output(fed.chunk)]
+
+    def _on_stream_end(self, event: StreamEnd) -> list[Output]:
+        reason = event.error.reason if event.error else "stream ended without a finish reason"
+        if event.source == "relay":
+            if self.relay is RelayState.RUNNING:
+                return self._relay_dead(reason, event.error.status if event.error else 502)
+            return []
+        if self.md in (MdState.PENDING, MdState.CATCHUP):
+            return self._md_dead(f"MD stream ended: {reason}", "main")
+        if self.md is MdState.HANDED_OFF or self.path == "main":
+            self.ctx.metrics.inc("errors_total", kind="main")
+            status = event.error.status if event.error else 502
+            return self._fail(f"MD failed: {reason}", status)
+        return []
+
+    def _on_control(self, received: Received) -> list[Output]:
+        msg = received.msg
+        self.meta.control_bytes += received.nbytes
+        if isinstance(msg, Ready):
+            return self._on_ready(msg)
+        if isinstance(msg, Ack):
+            return self._on_ack(msg)
+        if isinstance(msg, Error):
+            if self.md in (MdState.PENDING, MdState.CATCHUP):
+                return self._md_dead(f"MD error: {msg.reason}", "main_error")
+            if self.md is MdState.HANDED_OFF:
+                self.ctx.metrics.inc("errors_total", kind="main")
+                return self._fail(f"MD error after the handoff: {msg.reason}", 502)
+            return []
+        logger.warning("request %s: unexpected control message %s from MD", self.rid, msg)
+        return []
+
+    def _on_ready(self, msg: Ready) -> list[Output]:
+        if self.ready is not None:
+            return []
+        self.ready = msg
+        self._mark("ready")
+        self.meta.wan_kv_bytes = msg.wan_kv_bytes
+        self.meta.md_cached_tokens = msg.cached_len
+        self.meta.md_prompt_tokens = msg.prompt_len
+        if self.md is not MdState.PENDING:
+            return []
+        pending = len(self.stitcher.emitted)
+        if self.relay is RelayState.RUNNING:
+            relay_load = self.ctx.loads["relay"].active[self.held["relay"]]
+            mode = choose_mode(self.cfg.handoff, pending=pending, relay_load=relay_load)
+        else:
+            mode = "extend"  # RLD is gone: nothing keeps decoding while chunks go over
+        self.meta.handoff_mode = mode
+        if mode == "extend":
+            return self._handoff()
+        self.md = MdState.CATCHUP
+        return self._catchup_step()
+
+    def _on_ack(self, msg: Ack) -> list[Output]:
+        if self.md is not MdState.CATCHUP or self.inflight is None:
+            return []
+        if msg.done != self.inflight.end:
+            return self._md_dead(f"ACK done={msg.done}, expected {self.inflight.end}", "protocol")
+        self.done = msg.done
+        self.inflight = None
+        self.ack_deadline = None
+        return self._catchup_step()
+
+    def _catchup_step(self) -> list[Output]:
+        step = next_step(
+            self.cfg.handoff,
+            done=self.done,
+            available=len(self.stitcher.emitted),
+            chunks_sent=self.meta.chunks,
+        )
+        if step.final or self.relay is not RelayState.RUNNING:
+            return self._handoff()
+        tokens = tuple(self.stitcher.emitted[step.start : step.end])
+        n = self.ctx.send(self.main_addr, Chunk(self.rid, step.start, tokens))
+        if n == 0:
+            return self._md_dead("could not send a Catch-Up chunk to MD", "control")
+        self.meta.control_bytes += n
+        self.meta.chunks += 1
+        self.ctx.metrics.inc("catchup_chunks_total")
+        self.inflight = step
+        self.ack_deadline = time.monotonic() + self.cfg.timeouts.ack
+        return []
+
+    def _handoff(self) -> list[Output]:
+        assert self.ready is not None
+        snapshot = self.stitcher.snapshot()
+        tokens = handoff_tokens(snapshot, self.done, self.ready.first_token)
+        n = self.ctx.send(self.main_addr, Handoff(self.rid, self.done, tokens))
+        if n == 0:
+            return self._md_dead("could not send the handoff to MD", "control")
+        self.meta.control_bytes += n
+        self.stitcher.handoff()
+        self.md = MdState.HANDED_OFF
+        self.meta.relay_tokens = len(snapshot)
+        self._mark("handoff_sent")
+        self.ctx.metrics.inc("handoffs_total", mode=self.meta.handoff_mode or "extend")
+        self._stop_relay()
+        return []
+
+    def _md_dead(self, reason: str, kind: str) -> list[Output]:
+        """MD drops out before the handoff; RLD (if alive) finishes the request."""
+        if self.md not in (MdState.PENDING, MdState.CATCHUP):
+            return []
+        self.md = MdState.DEAD
+        self.meta.md_failure = _cut(reason)
+        self.ctx.metrics.inc("md_cancels_total", reason=kind)
+        self._cancel_md(reason)
+        if self.relay in (RelayState.RUNNING, RelayState.FINISHED):
+            return []
+        return self._fail(f"RLD failed ({self.meta.relay_failure}) and {reason}", 502)
+
+    def _cancel_md(self, reason: str) -> None:
+        n = self.ctx.send(self.main_addr, Cancel(self.rid, _cut(reason)))
+        self.meta.control_bytes += n
+        self._cancel_task("main")
+        self._release("main")
+        timeouts = self.cfg.timeouts
+        self.ctx.spawn(abort_request(self.ctx.session, self.main_url, self.rid, timeouts))
+        if "p2" in self.tasks and not self.tasks["p2"].done():
+            self._cancel_task("p2")
+            rid = f"{self.rid}-p2"
+            self.ctx.spawn(abort_request(self.ctx.session, self.prefill_url, rid, timeouts))
+
+    # --- endings -----------------------------------------------------------------------------
+
+    def _final(self, chunk: dict[str, Any]) -> Output:
+        self.succeeded = True
+        self._mark("end")
+        return Output(self._with_meta(chunk), final=True)
+
+    def _with_meta(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        meta = dict(chunk.get("meta_info") or {})
+        meta["pdd"] = self.meta.to_dict()
+        return {**chunk, "meta_info": meta}
+
+    def _fail(self, reason: str, status: int) -> list[Output]:
+        reason = _cut(reason)
+        self._mark("end")
+        logger.warning("request %s failed: %s", self.rid, reason)
+        if self.sent_outputs == 0:
+            raise UpstreamError(status, reason)
+        return [Output(self._with_meta(self.stitcher.failure_chunk(reason)), True, True)]
+
+    def _cancel_task(self, name: str) -> None:
+        task = self.tasks.get(name)
+        if task is not None and not task.done():
+            task.cancel()
+
+    def _release(self, tier: str) -> None:
+        i = self.held.get(tier)
+        if i is not None and tier not in self.released:
+            self.ctx.release(tier, i)
+            self.released.add(tier)
+
+    def close(self) -> None:
+        """Idempotent cleanup: whatever still runs on any instance is stopped."""
+        if self.closed:
+            return
+        self.closed = True
+        self.ctx.unsubscribe(self.rid)
+        if self.md in (MdState.PENDING, MdState.CATCHUP):
+            self.md = MdState.DEAD
+            self._cancel_md("request ended")
+        elif self.md is MdState.HANDED_OFF and not self.succeeded:
+            self._cancel_task("main")
+            self.ctx.spawn(
+                abort_request(self.ctx.session, self.main_url, self.rid, self.cfg.timeouts)
+            )
+        if self.path == "main" and not self.succeeded:
+            self._cancel_task("main")
+            self.ctx.spawn(
+                abort_request(self.ctx.session, self.main_url, self.rid, self.cfg.timeouts)
+            )
+        self._stop_relay()
+        if not self.succeeded:
+            for which in ("p", "p2"):
+                task = self.tasks.get(which)
+                if task is not None and not task.done():
+                    task.cancel()
+                    rid = f"{self.rid}-{which}"
+                    self.ctx.spawn(
+                        abort_request(self.ctx.session, self.prefill_url, rid, self.cfg.timeouts)
+                    )
+        for tier in list(self.held):
+            self._release(tier)
+        m = self.ctx.metrics
+        m.inc("requests_total", path=self.meta.path if self.succeeded else "failed")
+        m.inc("relay_tokens_total", self.meta.relay_tokens)
+        m.inc("main_tokens_total", self.meta.main_tokens)

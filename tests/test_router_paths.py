@@ -1,0 +1,288 @@
+"""The PDD router in front of real servers: P (prefill), RLD (plain decode), MD (`--pdd-role
+main`) and a colocated reference. Greedy output through every path equals the colocated
+server's; the handoff (extend and Catch-Up), RLD-only completion and error answers are checked
+on the real streams."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pdd.launch.pd_local import generate
+from pdd.launch.process import free_port, stop_groups
+from pdd.launch.router import RouterService
+from pdd.launch.servers import SGLangServer
+from tests.test_pd_same_dc import random_ids
+
+MAX_NEW = 96  # long enough that RLD is still decoding when MD becomes ready
+LENGTHS = [9, 150, 700]
+
+
+def sampling(max_new: int = MAX_NEW, temperature: float = 0.0) -> dict:
+    return {"temperature": temperature, "max_new_tokens": max_new, "ignore_eos": True}
+
+
+@dataclass
+class Deployment:
+    colocated: SGLangServer
+    prefill: SGLangServer
+    relay: SGLangServer
+    main: SGLangServer
+    router: RouterService  # Extend-Decode handoffs
+    catchup: RouterService  # Catch-Up forced: MD is fed only after RLD streamed 40 tokens
+    no_main: RouterService  # its MD address answers nobody
+    slow_main: RouterService  # never feeds MD: its READY deadline passes
+
+    def servers(self) -> list[SGLangServer | RouterService]:
+        return [self.router, self.catchup, self.no_main, self.slow_main, self.colocated,
+                self.prefill, self.relay, self.main]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    run_dir = tmp_path_factory.mktemp("router")
+    colocated = SGLangServer("colocated", tiny_model, free_port(), run_dir)
+    prefill = SGLangServer("prefill", tiny_model, free_port(), run_dir, mode="prefill",
+                           bootstrap_port=free_port())  # fmt: skip
+    relay = SGLangServer("relay", tiny_model, free_port(), run_dir, mode="decode")
+    main = SGLangServer(
+        "main", tiny_model, free_port(), run_dir, mode="decode",
+        extra_args=["--pdd-role", "main", "--pdd-control-port", str(free_port()),
+                    "--pdd-park-timeout", "30"],
+    )  # fmt: skip
+    # An MD that was never started: its HTTP and control ports answer nobody.
+    ghost = SGLangServer("ghost", tiny_model, free_port(), run_dir, mode="decode",
+                         extra_args=["--pdd-control-port", str(free_port())])  # fmt: skip
+    tiers = {"prefill": [prefill], "relay": [relay]}
+    d = Deployment(
+        colocated, prefill, relay, main,
+        router=RouterService("router", free_port(), run_dir, main=[main], **tiers,
+                             extra_args=["--handoff-mode", "extend"]),
+        catchup=RouterService(
+            "router_catchup", free_port(), run_dir, main=[main], **tiers,
+            extra_args=["--handoff-mode", "catchup", "--catchup-threshold", "8",
+                        "--catchup-chunk", "16", "--md-feed-after-tokens", "40"],
+        ),
+        no_main=RouterService("router_no_main", free_port(), run_dir, main=[ghost], **tiers,
+                              extra_args=["--ready-timeout", "20"]),
+        slow_main=RouterService("router_slow_main", free_port(), run_dir, main=[main], **tiers,
+                                extra_args=["--md-feed-after-tokens", "100000",
+                                            "--ready-timeout", "1"]),
+    )  # fmt: skip
+    try:
+        for s in d.servers():
+            s.start()
+        for s in d.servers():
+            s.wait_ready()
+        yield d
+    finally:
+        stop_groups([s.process.pgid for s in d.servers() if s.process is not None])
+
+
+def prompts() -> list[list[int]]:
+    return [random_ids(n, seed=1000 + n) for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def reference(deployment: Deployment) -> list[list[int]]:
+    url = deployment.colocated.url
+    return [generate(url, {"input_ids": ids, "sampling_params": sampling()})["output_ids"]
+            for ids in prompts()]  # fmt: skip
+
+
+def through(router: RouterService, ids: list[int], path: str | None, **params: object) -> dict:
+    body: dict = {"input_ids": ids, "sampling_params": sampling(**params)}  # type: ignore[arg-type]
+    if path is not None:
+        body["pdd_path"] = path
+    return generate(router.url, body, timeout=300)
+
+
+def stream(router: RouterService, ids: list[int], path: str | None) -> list[dict]:
+    body: dict = {"input_ids": ids, "sampling_params": sampling(), "stream": True}
+    if path is not None:
+        body["pdd_path"] = path
+    req = urllib.request.Request(
+        f"{router.url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        raw = resp.read().decode()
+    events = [e[len("data: ") :] for e in raw.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def http_error(url: str, data: bytes | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.mark.parametrize("path, label", [("relay", "P->RLD"), ("main", "P->MD")])
+def test_single_decoder_paths_equal_colocated(
+    deployment: Deployment, reference: list[list[int]], path: str, label: str
+) -> None:
+    for i, ids in enumerate(prompts()):
+        got = through(deployment.router, ids, path)
+        assert got["output_ids"] == reference[i], f"{path}: prompt {i} ({len(ids)} tokens)"
+        pdd = got["meta_info"]["pdd"]
+        assert pdd["path"] == label and pdd["handoff_mode"] is None
+        assert got["meta_info"]["id"] == pdd["rid"]
+
+
+def test_extend_handoff_equals_colocated(
+    deployment: Deployment, reference: list[list[int]]
+) -> None:
+    for i, ids in enumerate(prompts()):
+        got = through(deployment.router, ids, "pdd")
+        assert got["output_ids"] == reference[i], f"prompt {i} ({len(ids)} tokens)"
+        pdd = got["meta_info"]["pdd"]
+        assert pdd["path"] == "P->RLD->MD", pdd
+        assert pdd["handoff_mode"] == "extend" and pdd["chunks"] == 0
+        assert pdd["relay_tokens"] + pdd["main_tokens"] == MAX_NEW
+        assert pdd["main_tokens"] > 0 and pdd["handoff_latency_s"] is not None
+        assert pdd["md_prompt_tokens"] == len(ids) and pdd["wan_kv_bytes"] > 0
+        assert 0 < pdd["control_bytes"] < 2000  # token ids, not KV
+
+
+def test_catchup_handoff_equals_colocated(deployment: Deployment) -> None:
+    # Long enough that RLD is still decoding while MD catches up chunk by chunk.
+    ids, max_new = prompts()[1], 320
+    body = {"input_ids": ids, "sampling_params": sampling(max_new=max_new)}
+    expected = generate(deployment.colocated.url, body)["output_ids"]
+    got = through(deployment.catchup, ids, None, max_new=max_new)
+    assert got["output_ids"] == expected
+    pdd = got["meta_info"]["pdd"]
+    assert pdd["path"] == "P->RLD->MD", json.dumps(pdd)
+    assert pdd["handoff_mode"] == "catchup" and pdd["chunks"] >= 1
+    assert pdd["relay_tokens"] >= 40  # RLD ran ahead past the threshold before MD was fed
+
+
+@pytest.mark.parametrize("path", ["relay", "pdd", "main"])
+def test_streamed_equals_non_streamed(
+    deployment: Deployment, reference: list[list[int]], path: str
+) -> None:
+    chunks = stream(deployment.router, prompts()[0], path)
+    seen: list[int] = []
+    for c in chunks:
+        # Cumulative, each chunk extends what the client has: every token once, in order.
+        assert c["output_ids"][: len(seen)] == seen and len(c["output_ids"]) > len(seen)
+        seen = c["output_ids"]
+    assert seen == reference[0]
+    final = chunks[-1]["meta_info"]
+    assert final["finish_reason"]["type"] == "length"
+    assert all("pdd" not in c["meta_info"] for c in chunks[:-1]) and "pdd" in final
+    non_streamed = through(deployment.router, prompts()[0], path)
+    assert non_streamed["text"] == chunks[-1]["text"]
+
+
+def test_relay_finishing_first_is_the_answer(deployment: Deployment) -> None:
+    ids = prompts()[2]
+    expected = generate(deployment.colocated.url, {"input_ids": ids,
+                        "sampling_params": sampling(max_new=2)})  # fmt: skip
+    # The catch-up router feeds MD after 40 tokens: RLD surely finishes first.
+    got = through(deployment.catchup, ids, "pdd", max_new=2)
+    assert got["output_ids"] == expected["output_ids"]
+    pdd = got["meta_info"]["pdd"]
+    assert pdd["path"] == "P->RLD" and pdd["relay_tokens"] == 2
+    assert pdd["md_failure"] == "RLD finished the request first"
+    # MD let go of the request: the next handoff works as before.
+    again = through(deployment.router, prompts()[0], "pdd")
+    assert again["meta_info"]["pdd"]["path"] == "P->RLD->MD"
+
+
+def test_unreachable_md_leaves_the_request_to_relay(
+    deployment: Deployment, reference: list[list[int]]
+) -> None:
+    got = through(deployment.no_main, prompts()[0], "pdd")
+    assert got["output_ids"] == reference[0]
+    pdd = got["meta_info"]["pdd"]
+    assert pdd["path"] == "P->RLD" and "unreachable" in pdd["md_failure"]
+    status, body = http_error(
+        f"{deployment.no_main.url}/generate",
+        json.dumps({"input_ids": prompts()[0], "pdd_path": "main"}).encode(),
+    )
+    assert status == 503 and "unreachable" in body["error"]["message"]
+
+
+def test_md_not_ready_in_time_leaves_the_request_to_relay(
+    deployment: Deployment, reference: list[list[int]]
+) -> None:
+    # Long enough that RLD is still decoding when the 1 s READY deadline passes.
+    ids, max_new = prompts()[1], 400
+    body = {"input_ids": ids, "sampling_params": sampling(max_new=max_new)}
+    expected = generate(deployment.colocated.url, body)["output_ids"]
+    got = through(deployment.slow_main, ids, "pdd", max_new=max_new)
+    assert got["output_ids"] == expected
+    pdd = got["meta_info"]["pdd"]
+    assert pdd["path"] == "P->RLD" and pdd["md_failure"] == "MD not ready within 1s"
+    assert "prefill_md_sent" not in pdd["timings"]  # P never had to feed MD
+    # MD dropped the request it was waiting for: handoffs through MD still work.
+    again = through(deployment.router, prompts()[0], "pdd")
+    assert again["output_ids"] == reference[0]
+    assert again["meta_info"]["pdd"]["path"] == "P->RLD->MD"
+
+
+def test_bad_requests_get_clear_4xx(deployment: Deployment) -> None:
+    url = f"{deployment.router.url}/generate"
+    cases = [
+        (b"{not json", "malformed JSON"),
+        (b'{"sampling_params": {}}', "exactly one of text or input_ids"),
+        (b'{"text": "hi", "pdd_path": "sideways"}', "pdd_path"),
+        (b'{"text": ["a", "b"]}', "batch"),
+        (b'{"text": "hi", "bootstrap_room": 3}', "router sets"),
+    ]
+    for data, reason in cases:
+        status, body = http_error(url, data)
+        assert status == 400 and reason in body["error"]["message"], (data, body)
+    # SGLang's own 4xx (here: a bad sampling parameter) reaches the client as a 4xx.
+    bad = {"input_ids": [1, 2, 3], "sampling_params": {"temperature": -1}, "pdd_path": "relay"}
+    status, body = http_error(url, json.dumps(bad).encode())
+    assert 400 <= status < 500, body
+
+
+def test_client_disconnect_frees_everything(deployment: Deployment) -> None:
+    body = {"input_ids": prompts()[1], "sampling_params": sampling(max_new=2000), "stream": True}
+    req = urllib.request.Request(
+        f"{deployment.router.url}/generate", json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.readline().startswith(b"data: ")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status = json.loads(urllib.request.urlopen(f"{deployment.router.url}/status").read())
+        if status["active_requests"] == 0:
+            break
+        time.sleep(0.5)
+    assert status["active_requests"] == 0
+    assert all(i["active"] == 0 for tier in status["instances"].values() for i in tier)
+
+
+def test_metrics_and_health(deployment: Deployment) -> None:
+    assert http_error(f"{deployment.router.url}/health")[0] == 200
+    text = urllib.request.urlopen(f"{deployment.router.url}/metrics").read().decode()
+    assert 'pdd_router_requests_total{path="P->RLD->MD"}' in text
+    assert 'pdd_router_handoffs_total{mode="extend"}' in text
+    assert 'pdd_router_control_bytes_total{direction="in"}' in text
+    assert 'pdd_router_errors_total{kind="bad_request"}' in text
+
+
+def test_sampled_requests_hand_off(deployment: Deployment) -> None:
+    """With temperature > 0, P's two prefills (for RLD and for MD) may sample different first
+    tokens; MD continues from what the client got from RLD."""
+    for seed in range(3):
+        ids = random_ids(200, seed=seed)
+        got = through(deployment.router, ids, "pdd", temperature=1.0)
+        assert len(got["output_ids"]) == MAX_NEW
+        pdd = got["meta_info"]["pdd"]
+        assert pdd["path"] == "P->RLD->MD" and pdd["md_failure"] is None, pdd
