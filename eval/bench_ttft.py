@@ -47,6 +47,7 @@ class Row:
     total_s: list[float] = field(default_factory=list)
     relay_tokens: list[int] = field(default_factory=list)
     handoffs: list[str | None] = field(default_factory=list)
+    failures: int = 0
 
     def add(self, ttft: float, total: float, meta: dict) -> None:
         self.ttft_s.append(ttft)
@@ -64,19 +65,28 @@ class Row:
 
 
 PATHS = {"same-DC PD": "relay", "naive cross-DC PD": "main", "PDD": "pdd"}
+MAX_FAILURES = 3
 
 
-def measure(url: str, prompts: list[list[int]], max_new: int) -> list[Row]:
+def measure(url: str, prompts: dict[str, list[list[int]]], max_new: int) -> list[Row]:
     rows = {name: Row(name, []) for name in PATHS}
-    for i, ids in enumerate(prompts, 1):
+    count = len(next(iter(prompts.values())))
+    for i in range(count):
         for name, path in PATHS.items():
             sampling = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
-            got = stream_generate(url, {"input_ids": ids, "sampling_params": sampling,
-                                        "pdd_path": path})  # fmt: skip
+            try:
+                got = stream_generate(url, {"input_ids": prompts[path][i], "pdd_path": path,
+                                            "sampling_params": sampling})  # fmt: skip
+            except OSError as err:  # reported, and the run goes on
+                rows[name].failures += 1
+                print(f"[{i + 1}/{count}] {name:18s} FAILED: {err}", flush=True)
+                if sum(r.failures for r in rows.values()) > MAX_FAILURES:
+                    raise RuntimeError("too many failed requests; see the server logs") from err
+                continue
             assert got.ttft_s is not None
             meta = got.final["meta_info"]["pdd"]
             rows[name].add(got.ttft_s, got.total_s, meta)
-            print(f"[{i}/{len(prompts)}] {name:18s} TTFT {got.ttft_s:5.2f}s  total "
+            print(f"[{i + 1}/{count}] {name:18s} TTFT {got.ttft_s:5.2f}s  total "
                   f"{got.total_s:5.2f}s  path {meta['path']:10s} RLD tokens "
                   f"{meta['relay_tokens']}", flush=True)  # fmt: skip
     return list(rows.values())
@@ -86,7 +96,7 @@ def table(rows: list[Row]) -> str:
     base = rows[0]
     lines = [
         f"{'deployment':18s} {'TTFT P50':>8s} {'P90':>6s} {'P99':>6s} {'P50 ratio':>9s} "
-        f"{'P99 ratio':>9s} {'e2e P50':>7s} {'RLD tokens':>10s} {'handoffs':>8s}"
+        f"{'P99 ratio':>9s} {'e2e P50':>7s} {'RLD tokens':>10s} {'handoffs':>8s} {'failed':>6s}"
     ]
     for r in rows:
         handoffs = sum(h is not None for h in r.handoffs)
@@ -94,7 +104,7 @@ def table(rows: list[Row]) -> str:
             f"{r.deployment:18s} {r.pct(50):8.2f} {r.pct(90):6.2f} {r.pct(99):6.2f} "
             f"{r.pct(50) / base.pct(50):8.2f}x {r.pct(99) / base.pct(99):8.2f}x "
             f"{statistics.median(r.total_s):7.2f} {statistics.fmean(r.relay_tokens):10.1f} "
-            f"{handoffs:8d}"
+            f"{handoffs:8d} {r.failures:6d}"
         )
     return "\n".join(lines)
 
@@ -137,7 +147,12 @@ def main(argv: list[str] | None = None) -> None:
     exit_on_sigterm()
 
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
-    prompts = [random_ids(args.prompt_tokens, 1000 + i, vocab) for i in range(args.requests)]
+    # Fresh prompts for every request and path: P's prefix cache must not favour any path.
+    prompts = {
+        path: [random_ids(args.prompt_tokens, 1000 * (j + 1) + i, vocab)
+               for i in range(args.requests)]
+        for j, path in enumerate(PATHS.values())
+    }  # fmt: skip
     kv_mb = args.prompt_tokens * kv_bytes_per_token(args.model) / 1e6
     wire_s = kv_mb * 8 / args.rate_mbit
     title = (f"{args.model.name}, {args.prompt_tokens}-token prompts ({kv_mb:.1f} MB of KV), "
@@ -154,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         times = pdd.up()
         print(f"up in {times['deployment']:.0f}s; warming up", flush=True)
         for path in PATHS.values():
-            generate(pdd.url, {"input_ids": prompts[0][:64], "pdd_path": path,
+            generate(pdd.url, {"input_ids": random_ids(64, 7, vocab), "pdd_path": path,
                                "sampling_params": {"max_new_tokens": 4}})  # fmt: skip
         rows = measure(pdd.url, prompts, args.max_new)
     finally:

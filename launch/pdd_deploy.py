@@ -34,7 +34,8 @@ class PDDDeployment:
     ) -> PDDDeployment:
         """`a` and `b` place the two datacenters (e.g. `Testbed.placement("a")`)."""
         prefill = SGLangServer("prefill", model, free_port(), run_dir, a, mode="prefill",
-                               bootstrap_port=free_port())  # fmt: skip
+                               bootstrap_port=free_port(),
+                               extra_args=["--pdd-role", "prefill"])  # fmt: skip
         relay = SGLangServer("relay", model, free_port(), run_dir, a, mode="decode",
                              extra_args=["--pdd-role", "relay"])  # fmt: skip
         main = SGLangServer(

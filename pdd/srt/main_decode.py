@@ -24,7 +24,6 @@ from typing import Any
 
 import msgspec
 import torch
-import zmq
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from pdd.control.channel import ControlSocket
@@ -41,12 +40,9 @@ from pdd.control.messages import (
     parse_route_hint,
 )
 from pdd.srt.flags import PddConfig
+from pdd.srt.idle import waiter
 
 logger = logging.getLogger(__name__)
-
-# How long the idle loop waits for a control message while requests are parked; short, because
-# the same loop also polls KV transfers.
-PARKED_POLL_MS = 5
 
 
 @dataclass
@@ -84,9 +80,10 @@ class MainDecode:
         self.control = ControlSocket(secret=config.secret())
         addr = f"tcp://{config.control_host}:{config.control_port}"
         self.control.bind(addr)
-        self.poller = zmq.Poller()
-        self.poller.register(self.control.socket, zmq.POLLIN)
-        self.poller.register(scheduler.ipc_channels.recv_from_tokenizer, zmq.POLLIN)
+        # A control message must wake the scheduler when it waits between transfer polls.
+        w = waiter(scheduler)
+        if w is not None:
+            w.add(self.control.socket)
         logger.info("PDD MainDecode: control plane on %s", addr)
 
     # -- parking ----------------------------------------------------------------------------
@@ -247,13 +244,6 @@ class MainDecode:
                 self.stats.timed_out += 1
                 self.cancel(parked, f"no handoff within {limit:.0f} s of the KV landing on MD")
 
-    # -- idling -----------------------------------------------------------------------------
-
-    def wait(self) -> None:
-        """With only parked requests the scheduler is busy but has nothing to run: sleep until a
-        control message or a new request arrives (or a short tick for KV transfers)."""
-        self.poller.poll(PARKED_POLL_MS)
-
 
 def _route_hint(req: Any) -> RouteHint | None:
     hints = getattr(req, "kv_hints", None)
@@ -337,12 +327,6 @@ def _after_is_fully_idle(result: bool, scheduler: Any, *args: Any, **kwargs: Any
     return result and not (md is not None and md.parked)
 
 
-def _after_on_idle(result: None, scheduler: Any) -> None:
-    md = main_decode(scheduler)
-    if md is not None and md.parked:
-        md.wait()
-
-
 def _after_abort_request(result: None, scheduler: Any, recv_req: Any) -> None:
     md = main_decode(scheduler)
     if md is not None:
@@ -357,7 +341,6 @@ def register() -> None:
         (f"{sched}.get_next_disagg_decode_batch_to_run", _around_next_decode_batch,
          HookType.AROUND),
         (f"{sched}.is_fully_idle", _after_is_fully_idle, HookType.AFTER),
-        (f"{sched}.on_idle", _after_on_idle, HookType.AFTER),
         (f"{sched}.abort_request", _after_abort_request, HookType.AFTER),
     ]  # fmt: skip
     for target, fn, kind in hooks:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 
 def load() -> None:
-    from pdd.srt import cpu_disagg, flags, main_decode
+    from pdd.srt import cpu_disagg, flags, idle, main_decode
 
     flags.register()
     cpu_disagg.register()
+    idle.register()
     main_decode.register()
