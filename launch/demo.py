@@ -39,8 +39,8 @@ TASK = "I am reviewing a Python code base. Read the documentation I point you to
 # Two sessions of the same shape; each path gets its own, so neither profits from the other's
 # prefix cache on P.
 TOPICS = {
-    "naive": ["if", "while", "for", "try", "with", "class"],
-    "pdd": ["assert", "pass", "del", "return", "yield", "raise"],
+    "naive": ["if", "for", "with", "function", "return", "global"],
+    "pdd": ["while", "try", "class", "import", "raise", "lambda"],
 }
 TOOL_CHARS = 700
 PATHS = {"naive": ("naive cross-DC PD", "main"), "pdd": ("PDD", "pdd")}
@@ -70,7 +70,10 @@ def run_session(url: str, tokenizer: object, key: str, turns: int, max_new: int)
     for topic in TOPICS[key][:turns]:
         doc = " ".join(pydoc_data.topics.topics[topic].split())[:TOOL_CHARS]
         messages.append({"role": "user", "content": f"read_doc({topic!r}) returned:\n{doc}"})
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)  # type: ignore[attr-defined]
+        text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
         sampling = {"temperature": 0, "max_new_tokens": max_new}
         got = stream_generate(url, {"input_ids": ids, "sampling_params": sampling,
                                     "pdd_path": path})  # fmt: skip

@@ -62,7 +62,10 @@ class PDDDeployment:
             server.start()
         self.router.start()
         try:
-            times = {s.name: s.wait_ready(timeout) for s in self.servers()}
+            times = {}
+            for server in self.servers():  # seconds from the start until each is ready
+                server.wait_ready(timeout)
+                times[server.name] = time.monotonic() - start
             self.router.wait_ready(timeout)
             wait_serving(self.url, timeout)
             times["deployment"] = time.monotonic() - start
