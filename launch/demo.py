@@ -151,7 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     tb = Testbed("pdddemo", LinkParams(args.rate_mbit, args.delay_ms), net="10.221")
     tb.down()
     tb.up()
-    pdd = PDDDeployment.create(args.model, run_dir, tb.placement("a"), tb.placement("b"))
+    # Both sessions share MD; its decode-side cache would make the naive path less naive.
+    pdd = PDDDeployment.create(args.model, run_dir, tb.placement("a"), tb.placement("b"),
+                               decode_cache=False)  # fmt: skip
     try:
         print("[demo] starting P + RelayDecode in datacenter A, MainDecode in B, router in A",
               flush=True)  # fmt: skip

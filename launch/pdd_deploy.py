@@ -14,6 +14,8 @@ from pdd.launch.process import free_port, stop_groups
 from pdd.launch.router import RouterService
 from pdd.launch.servers import LOCAL, SERVER_START_TIMEOUT_S, Placement, SGLangServer
 
+DECODE_CACHE_FLAG = "--disaggregation-decode-enable-radix-cache"
+
 
 @dataclass
 class PDDDeployment:
@@ -31,8 +33,13 @@ class PDDDeployment:
         b: Placement = LOCAL,
         main_args: tuple[str, ...] = (),
         router_args: tuple[str, ...] = (),
+        decode_cache: bool = True,
     ) -> PDDDeployment:
-        """`a` and `b` place the two datacenters (e.g. `Testbed.placement("a")`)."""
+        """`a` and `b` place the two datacenters (e.g. `Testbed.placement("a")`). With
+        `decode_cache`, MD keeps a radix tree of the KV it holds (SGLang's decode radix cache),
+        so only the prompt suffix it lacks crosses the WAN."""
+        if decode_cache:
+            main_args = (DECODE_CACHE_FLAG, *main_args)
         prefill = SGLangServer("prefill", model, free_port(), run_dir, a, mode="prefill",
                                bootstrap_port=free_port(),
                                extra_args=["--pdd-role", "prefill"])  # fmt: skip

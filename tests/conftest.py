@@ -25,6 +25,17 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("tiny"))
 
 
+@pytest.fixture(scope="session")
+def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """PDD_WIDE_MODEL or a fresh build: 32 KB of KV per token, so KV bytes dominate the WAN."""
+    given = os.environ.get("PDD_WIDE_MODEL")
+    if given:
+        return Path(given)
+    from pdd.models.tiny import WIDE, make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("wide"), WIDE)
+
+
 @contextmanager
 def serving(colocated: SGLangServer, pd: LocalPD) -> Iterator[None]:
     """Starts a colocated reference server and a PD deployment together; stops both after."""

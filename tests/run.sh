@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PDD_SKIP_SMOLLM2=1 bash launch/setup.sh
 export PDD_TINY_MODEL="$PWD/models/tiny"
+export PDD_WIDE_MODEL="$PWD/models/wide"
 set +e
 .venv/bin/python -m pytest "$@"
 code=$?

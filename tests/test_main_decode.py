@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,7 +77,7 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     main = SGLangServer(
         "main", tiny_model, free_port(), run_dir, mode="decode",
         extra_args=["--pdd-role", "main", "--pdd-control-port", str(free_port()),
-                    "--pdd-park-timeout", "20"],
+                    "--pdd-park-timeout", "20", "--disaggregation-decode-enable-radix-cache"],
     )  # fmt: skip
     colocated = SGLangServer("colocated", tiny_model, free_port(), run_dir)
     servers = [prefill, main, colocated]
@@ -140,7 +141,9 @@ def test_extend_handoff_continues_like_colocated(deployment: Deployment, k: int)
     parked = Parked(deployment, ids)
     assert parked.ready.prompt_len == 300
     assert parked.ready.first_token == ref[0]  # P's first token travelled with the KV
-    assert parked.ready.wan_kv_bytes == 300 * 512  # tiny model: 512 bytes of KV per token
+    cached = parked.ready.cached_len  # a fresh prompt: nothing, bar a chance first token
+    assert cached <= 1
+    assert parked.ready.wan_kv_bytes == (300 - cached) * 512  # tiny: 512 bytes of KV per token
     deployment.send(Handoff(rid=parked.rid, start=0, tokens=tuple(ref[:k])))
     assert parked.output()["output_ids"] == ref
 
@@ -195,6 +198,30 @@ def test_relay_tokens_win_over_ps_first_token(deployment: Deployment) -> None:
     deployment.send(Handoff(rid=parked.rid, start=0, tokens=(other,)))
     expected = reference(deployment, [*ids, other])  # the same context from the start
     assert parked.output()["output_ids"] == [other, *expected[: MAX_NEW - 1]]
+
+
+def test_conversation_reuses_md_cache_and_stays_exact(deployment: Deployment) -> None:
+    """Each turn extends the last prompt and answer: MD (decode radix cache) already holds them,
+    so P sends only the new suffix; handed-off and cached KV give the colocated tokens."""
+    ids = random_ids(300, seed=21)
+    previous = 0
+    for k in range(3):
+        ref = reference(deployment, ids)
+        parked = Parked(deployment, ids)
+        if k > 0:  # the previous prompt and answer, minus the answer's last token (no KV)
+            assert parked.ready.cached_len == previous - 1, parked.ready
+        deployment.send(Handoff(rid=parked.rid, start=0, tokens=tuple(ref[: 4 + 5 * k])))
+        assert parked.output()["output_ids"] == ref
+        previous = len(ids) + len(ref)
+        ids = ids + ref + random_ids(80, seed=30 + k)
+    # Evicted (here: all of it, as an MD restart would), the next turn is still exact.
+    with urllib.request.urlopen(f"{deployment.main.url}/flush_cache", timeout=30) as resp:
+        assert resp.status == 200
+    ref = reference(deployment, ids)
+    parked = Parked(deployment, ids)
+    assert parked.ready.cached_len <= 1
+    deployment.send(Handoff(rid=parked.rid, start=0, tokens=tuple(ref[:3])))
+    assert parked.output()["output_ids"] == ref
 
 
 def test_cancel_and_timeout_free_the_request(deployment: Deployment) -> None:

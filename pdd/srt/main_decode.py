@@ -227,7 +227,9 @@ class MainDecode:
         req.prefix_len = parked.prefix_len
         prepare_abort(req, reason, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
         self.scheduler.output_streamer.stream_output([req], req.return_logprob)
-        release_kv_cache(req, self.scheduler.tree_cache, checkpoint=False)
+        # The KV crossed the WAN at a price: with the decode radix cache, MD keeps it for the
+        # next turn of the conversation (a tree without it ignores the checkpoint).
+        release_kv_cache(req, self.scheduler.tree_cache, checkpoint=True)
 
     def abort(self, rid: str, abort_all: bool) -> None:
         """SGLang's own abort (client gone, /abort_request) also reaches parked requests."""

@@ -1,0 +1,127 @@
+"""The decode-side radix cache: MD keeps the KV it holds, so a conversation's next turn sends only
+the suffix MD lacks across the WAN. On the testbed, with the KV-heavy `wide` model (32 KB per
+token) so that KV bytes dominate what the WAN link counts.
+
+Outputs across turns are compared with a colocated server in tests/test_main_decode.py (tiny
+model). Here only the first turn is: the wide model's random weights have near-ties in their
+logits, and in later turns MD attends over KV of mixed origin (P's prefill for the prompt, MD's
+own decode steps for earlier answers), whose bf16 rounding differs from a colocated server's
+enough to flip one.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pdd.eval.prompts import random_ids
+from pdd.launch.pd_local import generate
+from pdd.launch.pdd_deploy import PDDDeployment
+from pdd.launch.process import free_port, stop_groups
+from pdd.launch.servers import SGLangServer
+from pdd.launch.testbed import Testbed
+from pdd.launch.wan import LinkParams
+from pdd.models.kv import kv_bytes_per_token
+
+VOCAB = 1024
+MAX_NEW = 48  # long enough that MD always takes over (then it keeps prompt and answer)
+TOLERANCE = 0.05
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="the testbed needs root (network namespaces, veth and TUN devices)"
+)
+
+
+@dataclass
+class Setup:
+    tb: Testbed
+    colocated: SGLangServer
+    pdd: PDDDeployment
+    kv_per_token: int
+
+    def wan_bytes(self) -> int:
+        """Bytes the WAN link carried from A to B so far (the KV's direction)."""
+        return int(self.tb.wan.status()["counters"]["a_to_b"]["bytes"])
+
+    def turn(self, ids: list[int], compare: bool = False) -> tuple[dict, int]:
+        """One request through PDD; its result and the WAN bytes A -> B it caused."""
+        before = self.wan_bytes()
+        sampling = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+        got = generate(self.pdd.url, {"input_ids": ids, "sampling_params": sampling}, 300)
+        wan = self.wan_bytes() - before
+        if compare:
+            ref = generate(self.colocated.url, {"input_ids": ids, "sampling_params": sampling})
+            assert got["output_ids"] == ref["output_ids"]
+        return got, wan
+
+
+@pytest.fixture(scope="module")
+def setup(wide_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    tb = Testbed("pdddrc", LinkParams(100.0, 20.0), net="10.223")
+    tb.down()
+    tb.up()
+    run_dir = tmp_path_factory.mktemp("decode_cache")
+    colocated = SGLangServer("colocated", wide_model, free_port(), run_dir)
+    pdd = PDDDeployment.create(wide_model, run_dir, tb.placement("a"), tb.placement("b"))
+    colocated.start()
+    try:
+        print(f"start-up seconds: {pdd.up()}")
+        colocated.wait_ready()
+        yield Setup(tb, colocated, pdd, kv_bytes_per_token(wide_model))
+    finally:
+        stop_groups(
+            [*pdd.pgids().values(), *([colocated.process.pgid] if colocated.process else [])]
+        )
+        tb.down()
+
+
+def conversation(setup: Setup, seed: int, turns: int) -> list[tuple[dict, int, int]]:
+    """Turns that each extend the previous prompt and answer; (result, WAN bytes, prompt)."""
+    ids = random_ids(400, seed, VOCAB)
+    out = []
+    for k in range(turns):
+        got, wan = setup.turn(ids, compare=k == 0)
+        out.append((got, wan, len(ids)))
+        ids = ids + got["output_ids"] + random_ids(150, seed * 100 + k, VOCAB)
+    return out
+
+
+def test_each_turn_sends_only_what_md_lacks(setup: Setup) -> None:
+    turns = conversation(setup, seed=1, turns=3)
+    previous_prompt = 0
+    for k, (got, wan, prompt) in enumerate(turns):
+        meta = got["meta_info"]["pdd"]
+        cached = meta["md_cached_tokens"]
+        assert meta["md_prompt_tokens"] == prompt, meta
+        # MD holds at least the previous turn's prompt (its answer too, if MD produced it).
+        assert cached >= previous_prompt - 1, (k, meta)
+        expected = (prompt - cached) * setup.kv_per_token
+        print(f"turn {k + 1}: prompt {prompt}, MD cached {cached}, KV MD lacked {expected} B, "
+              f"WAN A->B {wan} B ({wan / expected - 1:+.2%})")  # fmt: skip
+        assert meta["wan_kv_bytes"] == expected, meta
+        assert abs(wan - expected) <= TOLERANCE * expected, (k, wan, expected)
+        previous_prompt = prompt
+    full = turns[-1][2] * setup.kv_per_token
+    assert turns[-1][1] < full / 2, "the last turn must send far less than its whole prompt's KV"
+
+
+def test_after_md_evicts_what_it_lacks_crosses_again(setup: Setup) -> None:
+    first = conversation(setup, seed=2, turns=2)
+    # Evict everything MD holds (as a restart would): SGLang's cache flush, MD being idle.
+    req = urllib.request.Request(f"{setup.pdd.main.url}/flush_cache", method="POST")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200
+    # Seed 2's next turn finds nothing on MD: the whole prompt's KV crosses the WAN.
+    ids = random_ids(400, 2, VOCAB)
+    for k, (turn, _, _) in enumerate(first):
+        ids = ids + turn["output_ids"] + random_ids(150, 2 * 100 + k, VOCAB)
+    again, wan = setup.turn(ids)
+    meta = again["meta_info"]["pdd"]
+    assert meta["md_cached_tokens"] <= 1, meta
+    expected = (len(ids) - meta["md_cached_tokens"]) * setup.kv_per_token
+    assert abs(wan - expected) <= TOLERANCE * expected, (wan, expected)
