@@ -14,6 +14,7 @@ import argparse
 import json
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from pdd.launch.process import free_port, group_alive, stop_groups
 from pdd.launch.servers import (
     LOCAL,
     SERVER_START_TIMEOUT_S,
+    HttpService,
     PDRouter,
     Placement,
     SGLangServer,
@@ -53,6 +55,28 @@ def wait_serving(url: str, timeout: float) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{url} not serving after {timeout:.0f}s: {err}") from err
             time.sleep(1.0)
+
+
+def bring_up(
+    servers: list[SGLangServer], router: HttpService, down: Callable[[], None], timeout: float
+) -> dict[str, float]:
+    """Starts the servers (in parallel) and the router, waits until the router serves a real
+    request, and returns the seconds from the start until each was ready; `down` on failure."""
+    start = time.monotonic()
+    for part in [*servers, router]:
+        part.start()  # type: ignore[attr-defined]
+    try:
+        times = {}
+        for server in servers:
+            server.wait_ready(timeout)
+            times[server.name] = time.monotonic() - start
+        router.wait_ready(timeout)
+        wait_serving(router.url, timeout)
+        times["deployment"] = time.monotonic() - start
+    except BaseException:
+        down()
+        raise
+    return times
 
 
 def format_seconds(times: dict[str, float]) -> str:
@@ -92,20 +116,7 @@ class LocalPD:
 
     def up(self, timeout: float = SERVER_START_TIMEOUT_S) -> dict[str, float]:
         """Start all parts (servers in parallel), wait until the router serves; start-up seconds."""
-        start = time.monotonic()
-        self.prefill.start()
-        self.decode.start()
-        self.router.start()
-        try:
-            times = {"prefill": self.prefill.wait_ready(timeout)}
-            times["decode"] = max(self.decode.wait_ready(timeout), times["prefill"])
-            self.router.wait_ready(timeout)
-            wait_serving(self.url, timeout)
-            times["deployment"] = time.monotonic() - start
-        except BaseException:
-            self.down()
-            raise
-        return times
+        return bring_up([self.prefill, self.decode], self.router, self.down, timeout)
 
     def parts(self) -> list[SGLangServer | PDRouter]:
         return [self.router, self.decode, self.prefill]

@@ -5,11 +5,10 @@ only across the emulated WAN; elsewhere everything runs on this machine.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdd.launch.pd_local import wait_serving
+from pdd.launch.pd_local import bring_up
 from pdd.launch.process import free_port, stop_groups
 from pdd.launch.router import RouterService
 from pdd.launch.servers import LOCAL, SERVER_START_TIMEOUT_S, Placement, SGLangServer
@@ -64,22 +63,7 @@ class PDDDeployment:
     def up(self, timeout: float = SERVER_START_TIMEOUT_S) -> dict[str, float]:
         """Starts every part (servers in parallel) and waits until the router serves; returns
         start-up seconds."""
-        start = time.monotonic()
-        for server in self.servers():
-            server.start()
-        self.router.start()
-        try:
-            times = {}
-            for server in self.servers():  # seconds from the start until each is ready
-                server.wait_ready(timeout)
-                times[server.name] = time.monotonic() - start
-            self.router.wait_ready(timeout)
-            wait_serving(self.url, timeout)
-            times["deployment"] = time.monotonic() - start
-        except BaseException:
-            self.down()
-            raise
-        return times
+        return bring_up(self.servers(), self.router, self.down, timeout)
 
     def pgids(self) -> dict[str, int]:
         parts = [self.router, *self.servers()]

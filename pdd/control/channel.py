@@ -148,6 +148,16 @@ def _pull_socket(context: zmq.Context, hwm: int) -> zmq.Socket:
     return sock
 
 
+def _bound_pull(context: zmq.Context, hwm: int, addr: str) -> zmq.Socket:
+    sock = _pull_socket(context, hwm)
+    try:
+        sock.bind(addr)
+    except zmq.ZMQError:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
 class ControlSocket:
     """Synchronous control endpoint: `bind` to receive, `send` to any peer, never blocks."""
 
@@ -170,14 +180,8 @@ class ControlSocket:
         """Bind the receiving socket (`tcp://host:port`, port `*` for any); the bound address."""
         if self._pull is not None:
             raise RuntimeError("ControlSocket is already bound")
-        sock = _pull_socket(self.context, self.hwm)
-        try:
-            sock.bind(addr)
-        except zmq.ZMQError:
-            sock.close(linger=0)
-            raise
-        self._pull = sock
-        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._pull = _bound_pull(self.context, self.hwm, addr)
+        return self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
 
     @property
     def socket(self) -> zmq.Socket:
@@ -234,12 +238,7 @@ class AsyncControlSocket:
     def bind(self, addr: str) -> str:
         if self._pull is not None:
             raise RuntimeError("AsyncControlSocket is already bound")
-        sock = _pull_socket(self._actx, self.hwm)
-        try:
-            sock.bind(addr)
-        except zmq.ZMQError:
-            sock.close(linger=0)
-            raise
+        sock = _bound_pull(self._actx, self.hwm, addr)
         self._pull = sock  # type: ignore[assignment]
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
