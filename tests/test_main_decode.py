@@ -184,7 +184,9 @@ def test_bad_handoffs_are_rejected_and_the_request_survives(deployment: Deployme
         deployment.send(bad)
         err = deployment.recv(parked.rid)
         assert isinstance(err, Error), err
-    deployment.send(Handoff(rid=parked.rid, start=0, tokens=tuple(ref[:6])))
+    good = Handoff(rid=parked.rid, start=0, tokens=tuple(ref[:6]))
+    deployment.send(good)
+    deployment.send(good)  # a duplicate is rejected or dropped, never acted on twice
     assert parked.output()["output_ids"] == ref
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from typing import Any
 
@@ -43,6 +43,7 @@ from pdd.srt.flags import PddConfig
 from pdd.srt.idle import waiter
 
 logger = logging.getLogger(__name__)
+STATS_LOG_S = 30.0  # MD logs its counters at most this often, when they changed
 
 
 @dataclass
@@ -76,6 +77,8 @@ class MainDecode:
         self.config = config
         self.parked: dict[str, Parked] = {}
         self.stats = Stats()
+        self.stats_logged = Stats()
+        self.stats_logged_at = 0.0
         self.kv_bytes_per_token = _kv_bytes_per_token(scheduler)
         self.control = ControlSocket(secret=config.secret())
         addr = f"tcp://{config.control_host}:{config.control_port}"
@@ -119,10 +122,15 @@ class MainDecode:
         """Drains the control socket; runs the extends the messages ask for."""
         chunks: list[tuple[Parked, Chunk]] = []
         handoffs: list[tuple[Parked, Handoff]] = []
+        seen: set[str] = set()
         for msg in self.control.recv_nowait():
             parked = self._check(msg)
             if parked is None:
                 continue
+            if msg.rid in seen:  # each step acts at most once per request
+                self._reject(parked, msg.rid, "a second control message in one step")
+                continue
+            seen.add(msg.rid)
             if isinstance(msg, Cancel):
                 self.cancel(parked, f"cancelled by the router: {msg.reason}")
                 self.stats.cancelled += 1
@@ -130,14 +138,22 @@ class MainDecode:
                 chunks.append((parked, msg))
             elif isinstance(msg, Handoff):
                 handoffs.append((parked, msg))
-        if chunks:
-            self._extend([(p, p.done + len(m.tokens), _tokens(p, m)) for p, m in chunks])
+        if chunks and self._safe_extend(
+            [(p, p.done + len(m.tokens), _tokens(p, m)) for p, m in chunks]
+        ):
             for parked, _ in chunks:
                 self.stats.chunks += 1
                 self.control.send(parked.hint.reply_to, Ack(rid=parked.req.rid, done=parked.done))
         if handoffs:
             self._handoff(handoffs)
         self._expire()
+        self._log_stats()
+
+    def _log_stats(self) -> None:
+        now = time.monotonic()
+        if now - self.stats_logged_at >= STATS_LOG_S and self.stats != self.stats_logged:
+            logger.info("PDD MainDecode: %s, parked now %d", self.stats, len(self.parked))
+            self.stats_logged, self.stats_logged_at = replace(self.stats), now
 
     def _check(self, msg: Message) -> Parked | None:
         if not isinstance(msg, Chunk | Handoff | Cancel):
@@ -169,7 +185,8 @@ class MainDecode:
             tokens = _tokens(parked, msg) or (int(parked.req.output_ids[0]),)
             # The last handed-over token has no KV yet: it is the next decode step's input.
             work.append((parked, len(tokens) - 1, tokens))
-        self._extend(work)
+        if not self._safe_extend(work):
+            return
         for parked, _, tokens in work:
             req = parked.req
             req.output_ids = array("q", tokens)
@@ -179,6 +196,20 @@ class MainDecode:
             del self.parked[req.rid]
             self.stats.handoffs += 1
             self.scheduler.waiting_queue.append(req)
+
+    def _safe_extend(self, work: list[tuple[Parked, int, tuple[int, ...]]]) -> bool:
+        """`_extend`, or, if it fails (e.g. no KV memory left), those requests fail alone:
+        MD itself keeps serving."""
+        try:
+            self._extend(work)
+            return True
+        except Exception as err:
+            logger.exception("PDD: handoff extend failed")
+            for parked, _, _ in work:
+                reason = f"MD could not compute the handed-over tokens: {err}"
+                self.control.send(parked.hint.reply_to, Error(rid=parked.req.rid, reason=reason))
+                self.cancel(parked, reason, keep_kv=False)
+            return False
 
     def _extend(self, work: list[tuple[Parked, int, tuple[int, ...]]]) -> None:
         """Computes the KV of handed-over tokens [parked.done, upto) for each request, in one
@@ -218,7 +249,7 @@ class MainDecode:
 
     # -- leaving without a handoff ----------------------------------------------------------
 
-    def cancel(self, parked: Parked, reason: str) -> None:
+    def cancel(self, parked: Parked, reason: str, keep_kv: bool = True) -> None:
         from sglang.srt.disaggregation.utils import prepare_abort
         from sglang.srt.mem_cache.common import release_kv_cache
 
@@ -228,8 +259,9 @@ class MainDecode:
         prepare_abort(req, reason, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
         self.scheduler.output_streamer.stream_output([req], req.return_logprob)
         # The KV crossed the WAN at a price: with the decode radix cache, MD keeps it for the
-        # next turn of the conversation (a tree without it ignores the checkpoint).
-        release_kv_cache(req, self.scheduler.tree_cache, checkpoint=True)
+        # next turn of the conversation (a tree without it ignores the checkpoint) -- unless a
+        # failed extend may have left it half written.
+        release_kv_cache(req, self.scheduler.tree_cache, checkpoint=keep_kv)
 
     def abort(self, rid: str, abort_all: bool) -> None:
         """SGLang's own abort (client gone, /abort_request) also reaches parked requests."""
