@@ -71,3 +71,10 @@ def test_secret_from_file_or_environment(tmp_path: Path, monkeypatch: pytest.Mon
     path = tmp_path / "secret"
     path.write_text("from-file\n")
     assert PddConfig(secret_file=str(path)).secret() == b"from-file"
+
+
+def test_an_empty_secret_file_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "secret"
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        PddConfig(secret_file=str(path)).secret()

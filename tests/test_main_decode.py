@@ -31,6 +31,7 @@ from pdd.control.messages import (
 )
 from pdd.launch.pd_local import generate
 from pdd.launch.process import free_port, stop_groups
+from pdd.launch.router import main_control_port
 from pdd.launch.servers import SGLangServer
 from pdd.models.tiny import VOCAB_SIZE
 from tests.test_pd_same_dc import random_ids
@@ -62,11 +63,7 @@ class Deployment:
                 self.inbox.extend(self.control.recv_nowait())
 
     def send(self, msg: Message) -> None:
-        assert self.control.send(f"tcp://127.0.0.1:{self.main_control_port}", msg) > 0
-
-    @property
-    def main_control_port(self) -> int:
-        return int(self.main.extra_args[self.main.extra_args.index("--pdd-control-port") + 1])
+        assert self.control.send(f"tcp://127.0.0.1:{main_control_port(self.main)}", msg) > 0
 
 
 @pytest.fixture(scope="module")

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from pdd.control.secret import ENV_SECRET, read_secret
 from pdd.policy.handoff import MODES, HandoffPolicy
 from pdd.policy.path import PATHS
-
-ENV_SECRET = "PDD_CONTROL_SECRET"
 
 
 def _check_url(url: str) -> str:
@@ -187,16 +185,6 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     add("--log-level", default="info")
     return parser
-
-
-def read_secret(path: Path | None) -> bytes | None:
-    if path is not None:
-        secret = path.read_bytes().strip()
-        if not secret:
-            raise ValueError(f"secret file {path} is empty")
-        return secret
-    env = os.environ.get(ENV_SECRET)
-    return env.encode() if env else None
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:

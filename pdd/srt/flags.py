@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from pdd.control.secret import ENV_SECRET, read_secret
 from pdd.srt.cpu_disagg import adjust_cpu_args
 
 logger = logging.getLogger(__name__)
@@ -26,8 +27,6 @@ ENV_CONTROL_HOST = "PDD_CONTROL_HOST"
 ENV_CONTROL_PORT = "PDD_CONTROL_PORT"
 ENV_PARK_TIMEOUT = "PDD_PARK_TIMEOUT_S"
 ENV_SECRET_FILE = "PDD_CONTROL_SECRET_FILE"
-# The shared secret itself may also come straight from the environment.
-ENV_SECRET = "PDD_CONTROL_SECRET"
 DEFAULT_PARK_TIMEOUT_S = 120.0
 
 
@@ -67,11 +66,7 @@ class PddConfig:
 
     def secret(self) -> bytes | None:
         """The control plane's shared secret (HMAC key), or None when it is not authenticated."""
-        if self.secret_file:
-            with open(self.secret_file, "rb") as f:
-                return f.read().strip()
-        value = os.environ.get(ENV_SECRET)
-        return value.encode() if value else None
+        return read_secret(self.secret_file)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
