@@ -29,8 +29,10 @@ RATE_MBIT = 100.0
 DELAY_MS = 20.0  # one way: RTT 40 ms
 SLOW_MBIT = 0.625
 MAX_NEW = 48
-# Long enough that RLD, however fast, is still decoding when MD becomes ready.
+# The routers pass RLD's tokens on at most one per 30 ms, so 200 tokens take RLD 6 s: MD is
+# ready long before, however fast the tiny model decodes on a given machine.
 LONG_NEW = 200
+RELAY_PACE = ("--relay-pace-ms", "30")
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="the testbed needs root (network namespaces, veth and TUN devices)"
@@ -61,7 +63,7 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     run_dir = tmp_path_factory.mktemp("pdd_core")
     colocated = SGLangServer("colocated", tiny_model, free_port(), run_dir)
     pdd = PDDDeployment.create(tiny_model, run_dir, tb.placement("a"), tb.placement("b"),
-                               router_args=("--handoff-mode", "extend"))  # fmt: skip
+                               router_args=("--handoff-mode", "extend", *RELAY_PACE))  # fmt: skip
     catchup = RouterService(
         "router-catchup", free_port(), run_dir, [pdd.prefill], [pdd.relay], [pdd.main],
         tb.placement("a"),
@@ -69,7 +71,7 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         # chunks the rest goes in the final handoff, long before RLD could finish.
         extra_args=["--handoff-mode", "catchup", "--catchup-chunk", "16",
                     "--catchup-threshold", "8", "--catchup-max-chunks", "4",
-                    "--md-feed-after-tokens", "40"],
+                    "--md-feed-after-tokens", "40", *RELAY_PACE],
     )  # fmt: skip
     colocated.start()
     try:
@@ -96,6 +98,7 @@ def test_extend_handoff_equals_colocated(setup: Setup) -> None:
         got = generate(setup.pdd.url, body(ids, max_new=LONG_NEW))
         assert got["output_ids"] == setup.reference(ids, max_new=LONG_NEW), n
         meta = pdd_meta(got)
+        print(f"extend meta ({n} tokens):", meta)
         assert meta["path"] == "P->RLD->MD", meta
         assert meta["handoff_mode"] == "extend", meta
         assert 1 <= meta["relay_tokens"] < LONG_NEW, meta
@@ -109,6 +112,7 @@ def test_catch_up_handoff_in_several_chunks_equals_colocated(setup: Setup) -> No
     got = generate(setup.catchup.url, body(ids, max_new=LONG_NEW))
     assert got["output_ids"] == setup.reference(ids, max_new=LONG_NEW)
     meta = pdd_meta(got)
+    print("catch-up meta:", meta)
     assert meta["path"] == "P->RLD->MD" and meta["handoff_mode"] == "catchup", meta
     assert meta["chunks"] >= 2, meta
 

@@ -21,7 +21,10 @@ from pdd.launch.router import RouterService
 from pdd.launch.servers import SGLangServer
 from tests.test_pd_same_dc import random_ids
 
-MAX_NEW = 96  # long enough that RLD is still decoding when MD becomes ready
+MAX_NEW = 96
+# RLD's tokens reach the handoff routers at most one per 30 ms: 96 tokens take RLD about 3 s, so
+# MD is ready first however fast the tiny model decodes.
+RELAY_PACE = ["--relay-pace-ms", "30"]
 LENGTHS = [9, 150, 700]
 
 
@@ -64,11 +67,11 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     d = Deployment(
         colocated, prefill, relay, main,
         router=RouterService("router", free_port(), run_dir, main=[main], **tiers,
-                             extra_args=["--handoff-mode", "extend"]),
+                             extra_args=["--handoff-mode", "extend", *RELAY_PACE]),
         catchup=RouterService(
             "router_catchup", free_port(), run_dir, main=[main], **tiers,
             extra_args=["--handoff-mode", "catchup", "--catchup-threshold", "8",
-                        "--catchup-chunk", "16", "--md-feed-after-tokens", "40"],
+                        "--catchup-chunk", "16", "--md-feed-after-tokens", "40", *RELAY_PACE],
         ),
         no_main=RouterService("router_no_main", free_port(), run_dir, main=[ghost], **tiers,
                               extra_args=["--ready-timeout", "20"]),

@@ -80,6 +80,9 @@ class RouterConfig:
     # Feed MD only once the client has this many tokens from RLD: emulates a slow WAN transfer
     # without a testbed, so tests can force Catch-Up deterministically; 0 in production.
     md_feed_after_tokens: int = 0
+    # Pass RLD's tokens on no faster than one per this many seconds: emulates a slower RLD, so
+    # tests that need a handoff do not race a tiny model's decode; 0 in production.
+    relay_pace_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -90,6 +93,8 @@ class RouterConfig:
             raise ValueError(f"--path {self.path} needs at least one --relay instance")
         if self.path in ("pdd", "main") and not self.main:
             raise ValueError(f"--path {self.path} needs at least one --main instance")
+        if self.md_feed_after_tokens < 0 or self.relay_pace_s < 0:
+            raise ValueError("--md-feed-after-tokens and --relay-pace-ms must be >= 0")
 
     @property
     def advertise_host(self) -> str:
@@ -183,6 +188,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=0,
         help="testing: feed MD only after RLD has streamed this many tokens (emulates a slow WAN)",
     )
+    add(
+        "--relay-pace-ms",
+        type=float,
+        default=0.0,
+        help="testing: pass RLD's tokens on no faster than one per this many ms (a slower RLD)",
+    )
     add("--log-level", default="info")
     return parser
 
@@ -216,4 +227,5 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         ),
         secret=read_secret(args.secret_file),
         md_feed_after_tokens=args.md_feed_after_tokens,
+        relay_pace_s=args.relay_pace_ms / 1000.0,
     )

@@ -102,6 +102,14 @@ def _cut(reason: str) -> str:
     return reason if len(reason) <= MAX_REASON else reason[: MAX_REASON - 3] + "..."
 
 
+async def _pace(chunk: dict[str, Any], start: float, pace_s: float) -> None:
+    """Hold a relay chunk until its tokens could have come from an RLD making one per pace_s."""
+    meta = chunk.get("meta_info")
+    tokens = meta.get("completion_tokens") if isinstance(meta, dict) else None
+    if isinstance(tokens, int) and tokens > 0:
+        await asyncio.sleep(max(0.0, start + tokens * pace_s - time.monotonic()))
+
+
 class PddRequest:
     def __init__(
         self,
@@ -215,7 +223,10 @@ class PddRequest:
         async def run() -> None:
             try:
                 gen = stream_generate(self.ctx.session, url, body, self.cfg.timeouts, role)
+                start = time.monotonic()
                 async for chunk in gen:
+                    if source == "relay" and self.cfg.relay_pace_s > 0:
+                        await _pace(chunk, start, self.cfg.relay_pace_s)
                     self.events.put_nowait(StreamChunk(source, chunk))
                 self.events.put_nowait(StreamEnd(source, None))
             except UpstreamError as err:
