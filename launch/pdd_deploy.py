@@ -33,6 +33,7 @@ class PDDDeployment:
         main_args: tuple[str, ...] = (),
         router_args: tuple[str, ...] = (),
         decode_cache: bool = True,
+        prefill_args: tuple[str, ...] = (),
     ) -> PDDDeployment:
         """`a` and `b` place the two datacenters (e.g. `Testbed.placement("a")`). With
         `decode_cache`, MD keeps a radix tree of the KV it holds (SGLang's decode radix cache),
@@ -41,7 +42,7 @@ class PDDDeployment:
             main_args = (DECODE_CACHE_FLAG, *main_args)
         prefill = SGLangServer("prefill", model, free_port(), run_dir, a, mode="prefill",
                                bootstrap_port=free_port(),
-                               extra_args=["--pdd-role", "prefill"])  # fmt: skip
+                               extra_args=["--pdd-role", "prefill", *prefill_args])  # fmt: skip
         relay = SGLangServer("relay", model, free_port(), run_dir, a, mode="decode",
                              extra_args=["--pdd-role", "relay"])  # fmt: skip
         main = SGLangServer(

@@ -139,7 +139,7 @@ GOOD_BODY = {"rid": "r1", "done": 3}
         (msgpack.packb({"version": 1, "type": "ack", "ts": "now", "body": GOOD_BODY}), "ts"),
         (msgpack.packb({1: 2}), "msgpack"),  # integer map keys
         (msgpack.packb({"version": 1, "type": "ack", "ts": 0, "body": {"rid": b"r", "done": 1}},
-                       use_bin_type=True), "msgpack"),  # binary where a string belongs
+                       use_bin_type=True), "rid must be a string"),  # bytes where a str belongs
         (encode(Ack("r1", 5))[:-3], "msgpack"),  # truncated
         (b"\xc1", "msgpack"),  # a byte msgpack never uses
         (encode(Ack("r1", 5)) + b"\x00", "trailing bytes"),

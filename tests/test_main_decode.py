@@ -18,15 +18,18 @@ from pathlib import Path
 import pytest
 import zmq
 
+from pdd.cache.mirror import CacheMirror
 from pdd.control.channel import ControlSocket
 from pdd.control.messages import (
     Ack,
+    CacheSync,
     Cancel,
     Chunk,
     Error,
     Handoff,
     Message,
     Ready,
+    SyncRequest,
     route_hint,
 )
 from pdd.launch.pd_local import generate
@@ -37,6 +40,8 @@ from pdd.models.tiny import VOCAB_SIZE
 from tests.test_pd_same_dc import random_ids
 
 MAX_NEW = 40
+BLOCK = 16  # MD's default --pdd-cache-block
+MD_POOL = 3000  # tokens of KV on MD: small enough that the eviction test fills it
 SAMPLING = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
 WAIT_S = 120.0
 
@@ -49,21 +54,52 @@ class Deployment:
     control: ControlSocket
     reply_to: str
     inbox: list[Message] = field(default_factory=list)
+    # The test's copy of MD's radix cache, as a router keeps it.
+    mirror: CacheMirror = field(default_factory=CacheMirror)
+
+    @property
+    def md_addr(self) -> str:
+        return f"tcp://127.0.0.1:{main_control_port(self.main)}"
+
+    def _pump(self, wait_ms: int) -> None:
+        if not self.control.socket.poll(wait_ms, zmq.POLLIN):
+            return
+        for msg in self.control.recv_nowait():
+            if not isinstance(msg, CacheSync):
+                self.inbox.append(msg)
+            elif not self.mirror.apply(msg):
+                self.ask_cache()
 
     def recv(self, rid: str, timeout: float = WAIT_S) -> Message:
         """The next control message for `rid` (others stay queued for their own callers)."""
         deadline = time.monotonic() + timeout
         while True:
             for i, msg in enumerate(self.inbox):
-                if msg.rid == rid:
+                if getattr(msg, "rid", None) == rid:
                     return self.inbox.pop(i)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no control message for {rid} within {timeout:.0f}s")
-            if self.control.socket.poll(200, zmq.POLLIN):
-                self.inbox.extend(self.control.recv_nowait())
+            self._pump(200)
 
     def send(self, msg: Message) -> None:
-        assert self.control.send(f"tcp://127.0.0.1:{main_control_port(self.main)}", msg) > 0
+        assert self.control.send(self.md_addr, msg) > 0
+
+    def ask_cache(self) -> None:
+        m = self.mirror
+        self.send(SyncRequest(self.reply_to, self.md_addr, m.epoch or "none", m.seq))
+
+    def predicted(self, ids: list[int], settle_s: float = 1.0) -> int:
+        """The mirror's cached prefix of `ids` once MD's latest changes (sent every 50 ms at
+        most) have arrived."""
+        time.sleep(0.1)  # lets MD finish caching the request that just ended
+        self.ask_cache()  # answered after every pending delta: a barrier
+        seq = -1
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline and (self.mirror.stale or seq != self.mirror.seq):
+            seq = self.mirror.seq
+            self._pump(300)
+        assert not self.mirror.stale, "MD did not answer the cache-sync request"
+        return self.mirror.cached_prefix(ids)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +110,8 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     main = SGLangServer(
         "main", tiny_model, free_port(), run_dir, mode="decode",
         extra_args=["--pdd-role", "main", "--pdd-control-port", str(free_port()),
-                    "--pdd-park-timeout", "20", "--disaggregation-decode-enable-radix-cache"],
+                    "--pdd-park-timeout", "20", "--disaggregation-decode-enable-radix-cache",
+                    "--max-total-tokens", str(MD_POOL)],
     )  # fmt: skip
     colocated = SGLangServer("colocated", tiny_model, free_port(), run_dir)
     servers = [prefill, main, colocated]
@@ -94,7 +131,13 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 class Parked:
     """One request sent to P and parked on MD; MD's HTTP answer arrives in `result`."""
 
-    def __init__(self, dep: Deployment, ids: list[int], sampling: dict | None = None) -> None:
+    def __init__(
+        self,
+        dep: Deployment,
+        ids: list[int],
+        sampling: dict | None = None,
+        cancel_before_kv: bool = False,
+    ) -> None:
         self.rid = f"t{random.randrange(1 << 40)}"
         self.result: dict | Exception | None = None
         body = {
@@ -108,7 +151,11 @@ class Parked:
         md_body = {**body, "rid": self.rid, "kv_hints": hint}
         self.thread = threading.Thread(target=self._call, args=(dep.main.url, md_body))
         self.thread.start()
+        if cancel_before_kv:  # as the router does when RLD finishes before MD is ready
+            dep.send(Cancel(rid=self.rid, reason="RLD finished the request first"))
         generate(dep.prefill.url, {**body, "rid": f"{self.rid}-p"})
+        if cancel_before_kv:
+            return
         ready = dep.recv(self.rid)
         assert isinstance(ready, Ready), ready
         self.ready = ready
@@ -244,3 +291,82 @@ def test_cancel_and_timeout_free_the_request(deployment: Deployment) -> None:
     log = (deployment.main.log_dir / "main.log").read_text()
     assert "memory leak" not in log
     assert "Traceback" not in log
+
+
+def test_a_cancel_before_the_kv_lands_still_caches_the_prompt(deployment: Deployment) -> None:
+    """MD's tree gets every prompt P sends it, even for requests RLD finished alone."""
+    ids = random_ids(250, seed=95)
+    early = Parked(deployment, ids, cancel_before_kv=True)
+    early.thread.join(WAIT_S)
+    assert isinstance(early.result, Exception) and "503" in str(early.result)
+    assert deployment.predicted(ids) == 250 // BLOCK * BLOCK
+    ref = reference(deployment, ids)
+    parked = Parked(deployment, ids)
+    assert parked.ready.cached_len >= 249  # all but what MD must recompute itself
+    deployment.send(Handoff(rid=parked.rid, start=0, tokens=tuple(ref[:4])))
+    assert parked.output()["output_ids"] == ref
+
+
+def test_md_tells_the_router_what_it_holds(deployment: Deployment) -> None:
+    """Before each turn is sent, the cache-sync view predicts MD's hit to within a block."""
+    dep = deployment
+    ids = random_ids(300, seed=51)
+    for k in range(3):
+        predicted = dep.predicted(ids)
+        ref = reference(dep, ids)
+        parked = Parked(dep, ids)
+        cached = parked.ready.cached_len
+        assert predicted <= cached < predicted + BLOCK, (k, predicted, parked.ready)
+        assert (predicted > 0) == (k > 0), (k, predicted)
+        dep.send(Handoff(rid=parked.rid, start=0, tokens=tuple(ref[:5])))
+        assert parked.output()["output_ids"] == ref
+        ids = ids + ref + random_ids(60, seed=60 + k)
+    with urllib.request.urlopen(f"{dep.main.url}/flush_cache", timeout=30) as resp:
+        assert resp.status == 200
+    assert dep.predicted(ids) == 0 and dep.mirror.hashes == set()
+
+
+def test_evictions_keep_outputs_exact_and_the_view_right(deployment: Deployment) -> None:
+    """More conversations than MD's pool holds: MD evicts the oldest; every answer stays exact
+    and the view never claims a block MD no longer has."""
+    dep = deployment
+    prompts = [random_ids(400, seed=70 + i) for i in range(9)]  # 9 x 440 tokens > MD_POOL
+    refs = [reference(dep, ids) for ids in prompts]
+
+    def run(i: int) -> int:
+        predicted = dep.predicted(prompts[i])
+        parked = Parked(dep, prompts[i])
+        assert predicted <= parked.ready.cached_len < predicted + BLOCK, (i, predicted)
+        dep.send(Handoff(rid=parked.rid, start=0, tokens=tuple(refs[i][:7])))
+        assert parked.output()["output_ids"] == refs[i], i
+        return predicted
+
+    for i in range(len(prompts)):
+        run(i)
+    assert dep.mirror.tokens <= MD_POOL
+    # The oldest conversation was evicted (at least in part), the newest one is whole.
+    assert dep.predicted(prompts[0]) < 400 <= dep.predicted(prompts[-1]) + BLOCK
+    for i in (0, len(prompts) - 1):
+        run(i)
+
+
+def test_a_restarted_md_starts_empty_and_the_view_follows(deployment: Deployment) -> None:
+    """Runs last: restarts MD. Its tree starts empty, a new epoch tells the router so."""
+    dep = deployment
+    ids = random_ids(200, seed=90)
+    ref = reference(dep, ids)
+    parked = Parked(dep, ids)
+    dep.send(Handoff(rid=parked.rid, start=0, tokens=tuple(ref[:3])))
+    assert parked.output()["output_ids"] == ref
+    assert dep.predicted(ids) >= 200 - BLOCK
+    epoch = dep.mirror.epoch
+    assert dep.main.process is not None
+    dep.main.process.stop()
+    dep.main.start()
+    dep.main.wait_ready()
+    assert dep.predicted(ids, settle_s=5.0) == 0
+    assert dep.mirror.epoch != epoch and dep.mirror.resyncs >= 1
+    parked = Parked(dep, ids)
+    assert parked.ready.cached_len <= 1  # P sent the whole prompt again
+    dep.send(Handoff(rid=parked.rid, start=0, tokens=tuple(ref[:3])))
+    assert parked.output()["output_ids"] == ref

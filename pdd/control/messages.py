@@ -29,6 +29,10 @@ MAX_TOKEN_ID = 2**31  # exclusive
 MAX_RID_CHARS = 128
 MAX_REASON_CHARS = 1024
 MAX_INT = 2**63 - 1  # byte counts and positions fit an int64
+HASH_BYTES = 8
+MAX_SYNC_HASHES = 65536  # per CacheSync field: 512 KiB
+MAX_EPOCH_CHARS = 64
+MAX_BLOCK = 4096
 TAG_BYTES = hashlib.sha256().digest_size
 
 ROUTE_ACTION = "pdd.route"
@@ -93,7 +97,36 @@ class Error:
     reason: str
 
 
-Message = Ready | Handoff | Chunk | Ack | Cancel | Error
+@dataclass(frozen=True)
+class SyncRequest:
+    """Router -> MD: send cache-sync to `reply_to`; the router holds MD's tree as of (epoch, seq).
+
+    Sent at start-up and then periodically: MD answers with a snapshot when the router's view
+    is of another epoch (MD restarted) or has a gap, else with an empty CacheSync (a heartbeat).
+    """
+
+    reply_to: str
+    name: str  # the router's name for this MD, echoed in every CacheSync it gets
+    epoch: str
+    seq: int
+
+
+@dataclass(frozen=True)
+class CacheSync:
+    """MD -> router: what changed in MD's radix tree, as chained hashes of `block`-token blocks
+    (pdd.cache.blocks), 8 bytes each. `cleared`: forget everything before applying `added`
+    (the first part of a snapshot, or a flushed tree). `seq` counts messages within `epoch`."""
+
+    name: str
+    epoch: str
+    seq: int
+    block: int
+    cleared: bool
+    added: bytes
+    removed: bytes
+
+
+Message = Ready | Handoff | Chunk | Ack | Cancel | Error | SyncRequest | CacheSync
 
 _TYPES: dict[str, type[Message]] = {
     "ready": Ready,
@@ -102,6 +135,8 @@ _TYPES: dict[str, type[Message]] = {
     "ack": Ack,
     "cancel": Cancel,
     "error": Error,
+    "sync_request": SyncRequest,
+    "cache_sync": CacheSync,
 }
 _NAMES: dict[type, str] = {cls: name for name, cls in _TYPES.items()}
 _ENVELOPE_KEYS = frozenset({"version", "type", "ts", "body"})
@@ -151,12 +186,52 @@ def _check_reason(value: object) -> str:
     return value
 
 
+def _check_epoch(value: object) -> str:
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_EPOCH_CHARS:
+        raise ControlError(f"epoch must be a string of 1-{MAX_EPOCH_CHARS} characters")
+    if not value.isprintable():
+        raise ControlError("epoch must be printable")
+    return value
+
+
+def _check_hashes(name: str, value: object) -> bytes:
+    if not isinstance(value, bytes):
+        raise ControlError(f"{name} must be bytes, got {type(value).__name__}")
+    if len(value) % HASH_BYTES or len(value) > MAX_SYNC_HASHES * HASH_BYTES:
+        raise ControlError(
+            f"{name} must be a multiple of {HASH_BYTES} bytes, at most {MAX_SYNC_HASHES} hashes"
+        )
+    return value
+
+
+def _build_sync(cls: type[Message], body: dict[str, Any]) -> Message:
+    name = _check_rid(body["name"])  # same rules as a request id
+    epoch = _check_epoch(body["epoch"])
+    seq = _check_int("seq", body["seq"])
+    if cls is SyncRequest:
+        return SyncRequest(check_zmq_tcp_address(body["reply_to"]), name, epoch, seq)
+    cleared = body["cleared"]
+    if not isinstance(cleared, bool):
+        raise ControlError(f"cleared must be a bool, got {type(cleared).__name__}")
+    return CacheSync(
+        name,
+        epoch,
+        seq,
+        _check_int("block", body["block"], 1, MAX_BLOCK),
+        cleared,
+        _check_hashes("added", body["added"]),
+        _check_hashes("removed", body["removed"]),
+    )
+
+
 def _build(cls: type[Message], body: dict[str, Any]) -> Message:
     """Validate a body dict against `cls` and construct it."""
     expected = {f.name for f in fields(cls)}
     if set(body) != expected:
         missing, extra = sorted(expected - set(body)), sorted(set(body) - expected)
         raise ControlError(f"{_NAMES[cls]}: missing fields {missing}, unexpected fields {extra}")
+    if cls is SyncRequest or cls is CacheSync:
+        return _build_sync(cls, body)
     rid = _check_rid(body["rid"])
     if cls is Ready:
         prompt_len = _check_int("prompt_len", body["prompt_len"], 1)
@@ -214,7 +289,7 @@ def _unpack(payload: bytes) -> object:
             strict_map_key=True,
             use_list=True,
             max_str_len=4 * MAX_REASON_CHARS,
-            max_bin_len=0,
+            max_bin_len=MAX_SYNC_HASHES * HASH_BYTES,
             max_array_len=MAX_TOKENS,
             max_map_len=16,
             max_ext_len=0,

@@ -145,6 +145,7 @@ async def status(request: web.Request) -> web.Response:
                 **asdict(ctx.control.stats),
                 "unknown_rids": ctx.unknown_rids,
             },
+            "md_caches": ctx.caches.status(),
             "active_requests": ctx.metrics.active,
             "instances": instances,
             "counters": ctx.metrics.snapshot(),
@@ -162,7 +163,10 @@ async def _startup(app: web.Application) -> None:
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     ctx = RouterContext(config, session, control, reply_to)
     app[CTX] = ctx
-    app[TASKS].append(asyncio.get_running_loop().create_task(ctx.control_loop()))
+    loop = asyncio.get_running_loop()
+    app[TASKS].append(loop.create_task(ctx.control_loop()))
+    if config.main:
+        app[TASKS].append(loop.create_task(ctx.caches.loop()))
     logger.info("control socket %s (advertised %s)", bound, reply_to)
 
 

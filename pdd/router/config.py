@@ -83,6 +83,8 @@ class RouterConfig:
     # Pass RLD's tokens on no faster than one per this many seconds: emulates a slower RLD, so
     # tests that need a handoff do not race a tiny model's decode; 0 in production.
     relay_pace_s: float = 0.0
+    # How often the router asks each MD what its radix cache holds (also a heartbeat).
+    cache_sync_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -93,6 +95,8 @@ class RouterConfig:
             raise ValueError(f"--path {self.path} needs at least one --relay instance")
         if self.path in ("pdd", "main") and not self.main:
             raise ValueError(f"--path {self.path} needs at least one --main instance")
+        if self.cache_sync_interval_s <= 0:
+            raise ValueError("--cache-sync-interval must be > 0")
         if self.md_feed_after_tokens < 0 or self.relay_pace_s < 0:
             raise ValueError("--md-feed-after-tokens and --relay-pace-ms must be >= 0")
 
@@ -183,6 +187,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help=f"the control-plane HMAC secret (else ${ENV_SECRET}; unset: unsigned messages)",
     )
     add(
+        "--cache-sync-interval",
+        type=float,
+        default=5.0,
+        help="seconds between the router's cache-sync requests to each MD (a heartbeat too)",
+    )
+    add(
         "--md-feed-after-tokens",
         type=int,
         default=0,
@@ -228,4 +238,5 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         secret=read_secret(args.secret_file),
         md_feed_after_tokens=args.md_feed_after_tokens,
         relay_pace_s=args.relay_pace_ms / 1000.0,
+        cache_sync_interval_s=args.cache_sync_interval,
     )

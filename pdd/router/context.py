@@ -11,9 +11,10 @@ from typing import Any
 import aiohttp
 
 from pdd.control.channel import AsyncControlSocket, Received
-from pdd.control.messages import Message
+from pdd.control.messages import CacheSync, Message
 from pdd.policy.balance import pick_least_loaded
 from pdd.router.config import RouterConfig
+from pdd.router.md_caches import MdCaches
 from pdd.router.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -45,8 +46,11 @@ class RouterContext:
     subscribers: dict[str, asyncio.Queue[Any]] = field(default_factory=dict)
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     unknown_rids: int = 0
+    caches: MdCaches = field(init=False)
 
     def __post_init__(self) -> None:
+        names = [t.control_addr for t in self.config.main]
+        self.caches = MdCaches(names, self.send, self.reply_to, self.config.cache_sync_interval_s)
         sizes = {
             "prefill": len(self.config.prefill),
             "relay": len(self.config.relay),
@@ -84,11 +88,16 @@ class RouterContext:
 
     def dispatch(self, received: Received) -> None:
         self.metrics.inc("control_bytes_total", received.nbytes, direction="in")
-        queue = self.subscribers.get(received.msg.rid)
+        msg = received.msg
+        if isinstance(msg, CacheSync):
+            self.caches.on_sync(msg)
+            return
+        rid = getattr(msg, "rid", None)
+        queue = None if rid is None else self.subscribers.get(rid)
         if queue is None:
             # Normal for a message that crosses the request's end (e.g. READY after a CANCEL).
             self.unknown_rids += 1
-            logger.debug("control %s for unknown request %s", received.msg, received.msg.rid)
+            logger.debug("control %s for unknown request %s", msg, rid)
             return
         queue.put_nowait(received)
 

@@ -63,6 +63,7 @@ class StreamEnd:
 class PrefillDone:
     which: str  # "p" (room R, or the only one on P->MD) | "p2" (room R2, for MD)
     error: UpstreamError | None
+    cached_tokens: int | None = None  # P's radix-cache hit, as P reports it
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,10 @@ class PddMeta:
     handoff_latency_s: float | None = None
     wan_kv_bytes: int | None = None
     md_cached_tokens: int | None = None
+    # What the router's mirror of MD's cache predicted before sending (block granularity).
+    md_predicted_cached_tokens: int | None = None
     md_prompt_tokens: int | None = None
+    p_cached_tokens: int | None = None
     control_bytes: int = 0
     md_failure: str | None = None
     relay_failure: str | None = None
@@ -145,6 +149,15 @@ class PddRequest:
 
     # --- set-up ------------------------------------------------------------------------------
 
+    @property
+    def prompt_ids(self) -> list[int] | None:
+        ids = self.body.get("input_ids")
+        return ids if isinstance(ids, list) and all(isinstance(t, int) for t in ids) else None
+
+    def _count_hit(self, side: str, cached: int, prompt: int) -> None:
+        self.ctx.metrics.inc("prefix_cached_tokens_total", cached, side=side)
+        self.ctx.metrics.inc("prefix_prompt_tokens_total", prompt, side=side)
+
     def _now(self) -> float:
         return time.monotonic() - self.t0
 
@@ -179,6 +192,9 @@ class PddRequest:
         if self.path in ("pdd", "main"):
             self.held["main"] = self.ctx.acquire("main")
             self.meta.instances["main"] = self.main_url
+            if self.prompt_ids is not None:
+                predicted = self.ctx.caches.cached_prefix(self.main_addr, self.prompt_ids)
+                self.meta.md_predicted_cached_tokens = predicted
             park = self.path == "pdd"
             hints = route_hint(role="main", park=park, reply_to=self.ctx.reply_to)
             main_body = self._body(rid=self.rid, room=self.room_md, stream=True, hints=hints)
@@ -207,10 +223,13 @@ class PddRequest:
 
         async def run() -> None:
             try:
-                await post_generate(
+                answer = await post_generate(
                     self.ctx.session, self.prefill_url, body, self.cfg.timeouts, "P"
                 )
-                self.events.put_nowait(PrefillDone(which, None))
+                meta = answer.get("meta_info")
+                cached = meta.get("cached_tokens") if isinstance(meta, dict) else None
+                cached = cached if isinstance(cached, int) else None
+                self.events.put_nowait(PrefillDone(which, None, cached))
             except UpstreamError as err:
                 self.events.put_nowait(PrefillDone(which, err))
             except Exception as err:  # a bug here must end the request, not hang it
@@ -304,6 +323,9 @@ class PddRequest:
             self.ctx.metrics.inc("errors_total", kind="prefill")
             return self._fail(f"prefill failed: {event.error.reason}", event.error.status)
         self._mark("prefill_done")
+        self.meta.p_cached_tokens = event.cached_tokens
+        if event.cached_tokens is not None and self.prompt_ids is not None:
+            self._count_hit("P", event.cached_tokens, len(self.prompt_ids))
         self._maybe_feed_main()
         return []
 
@@ -426,6 +448,7 @@ class PddRequest:
         self.meta.wan_kv_bytes = msg.wan_kv_bytes
         self.meta.md_cached_tokens = msg.cached_len
         self.meta.md_prompt_tokens = msg.prompt_len
+        self._count_hit("MD", msg.cached_len, msg.prompt_len)
         if self.md is not MdState.PENDING:
             return []
         pending = len(self.stitcher.emitted)
@@ -493,10 +516,22 @@ class PddRequest:
         self.md = MdState.DEAD
         self.meta.md_failure = _cut(reason)
         self.ctx.metrics.inc("md_cancels_total", reason=kind)
-        self._cancel_md(reason)
+        if kind == "relay_finished" and "prefill_md_sent" in self.meta.timings:
+            self._let_md_keep_prompt(reason)
+        else:
+            self._cancel_md(reason)
         if self.relay in (RelayState.RUNNING, RelayState.FINISHED):
             return []
         return self._fail(f"RLD failed ({self.meta.relay_failure}) and {reason}", 502)
+
+    def _let_md_keep_prompt(self, reason: str) -> None:
+        """RLD answered alone, but P is already sending MD the prompt's KV: MD caches it when it
+        lands (CANCEL before READY is remembered) instead of the transfer being aborted, so MD's
+        tree gets every prompt P's tree gets and the next turn hits on both sides. The P and MD
+        calls run on by themselves and end when MD drops the request."""
+        n = self.ctx.send(self.main_addr, Cancel(self.rid, _cut(reason)))
+        self.meta.control_bytes += n
+        self._release("main")
 
     def _cancel_md(self, reason: str) -> None:
         n = self.ctx.send(self.main_addr, Cancel(self.rid, _cut(reason)))

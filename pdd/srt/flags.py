@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from pdd.control.messages import MAX_BLOCK
 from pdd.control.secret import ENV_SECRET, read_secret
 from pdd.srt.cpu_disagg import adjust_cpu_args
 
@@ -27,7 +28,9 @@ ENV_CONTROL_HOST = "PDD_CONTROL_HOST"
 ENV_CONTROL_PORT = "PDD_CONTROL_PORT"
 ENV_PARK_TIMEOUT = "PDD_PARK_TIMEOUT_S"
 ENV_SECRET_FILE = "PDD_CONTROL_SECRET_FILE"
+ENV_CACHE_BLOCK = "PDD_CACHE_BLOCK"
 DEFAULT_PARK_TIMEOUT_S = 120.0
+DEFAULT_CACHE_BLOCK = 16
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class PddConfig:
     control_port: int | None = None
     park_timeout_s: float = DEFAULT_PARK_TIMEOUT_S
     secret_file: str | None = None
+    cache_block: int = DEFAULT_CACHE_BLOCK
 
     @classmethod
     def from_env(cls) -> PddConfig:
@@ -48,6 +52,7 @@ class PddConfig:
             control_port=int(port) if port else None,
             park_timeout_s=float(env.get(ENV_PARK_TIMEOUT) or DEFAULT_PARK_TIMEOUT_S),
             secret_file=env.get(ENV_SECRET_FILE) or None,
+            cache_block=int(env.get(ENV_CACHE_BLOCK) or DEFAULT_CACHE_BLOCK),
         )
 
     def to_env(self) -> None:
@@ -57,6 +62,7 @@ class PddConfig:
             ENV_CONTROL_PORT: None if self.control_port is None else str(self.control_port),
             ENV_PARK_TIMEOUT: str(self.park_timeout_s),
             ENV_SECRET_FILE: self.secret_file,
+            ENV_CACHE_BLOCK: str(self.cache_block),
         }
         for key, value in values.items():
             if value is None:
@@ -103,6 +109,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="File holding the control plane's shared secret (HMAC-SHA256); the router must use "
         f"the same. Alternatively set {ENV_SECRET}. Unset: messages are not authenticated.",
     )
+    group.add_argument(
+        "--pdd-cache-block",
+        type=int,
+        default=DEFAULT_CACHE_BLOCK,
+        help="MainDecode: tokens per block when MD tells routers what its radix cache holds; "
+        "smaller is more precise, larger is more compact (default: %(default)s).",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> PddConfig:
@@ -126,12 +139,16 @@ def config_from_args(args: argparse.Namespace) -> PddConfig:
     secret_file = getattr(args, "pdd_secret_file", None)
     if secret_file is not None and not os.path.isfile(secret_file):
         raise SystemExit(f"error: --pdd-secret-file {secret_file} does not exist")
+    cache_block = getattr(args, "pdd_cache_block", DEFAULT_CACHE_BLOCK)
+    if not 1 <= cache_block <= MAX_BLOCK:
+        raise SystemExit(f"error: --pdd-cache-block must be in 1-{MAX_BLOCK}")
     return PddConfig(
         role=role,
         control_host=getattr(args, "pdd_control_host", PddConfig.control_host),
         control_port=port,
         park_timeout_s=park_timeout,
         secret_file=secret_file,
+        cache_block=cache_block,
     )
 
 

@@ -9,6 +9,9 @@ KV, and MD tells the router READY. The router answers with the tokens RelayDecod
   as for a request whose KV came from P: the last token is the next decode input.
 - CANCEL: the request finished on RelayDecode; MD frees it.
 
+MD also tells every router that asks (SYNC_REQUEST) what its radix cache holds (CACHE_SYNC,
+pdd.cache.reporter), so the router knows MD's cached prefix of a request before sending it.
+
 All extends run synchronously inside the scheduler loop (MD runs without overlap scheduling), so
 SGLang's batch bookkeeping never sees them.
 """
@@ -24,8 +27,10 @@ from typing import Any
 
 import msgspec
 import torch
+import zmq
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from pdd.cache.reporter import CacheReporter
 from pdd.control.channel import ControlSocket
 from pdd.control.messages import (
     Ack,
@@ -37,13 +42,16 @@ from pdd.control.messages import (
     Message,
     Ready,
     RouteHint,
+    SyncRequest,
     parse_route_hint,
 )
+from pdd.srt.cache_events import install
 from pdd.srt.flags import PddConfig
 from pdd.srt.idle import waiter
 
 logger = logging.getLogger(__name__)
 STATS_LOG_S = 30.0  # MD logs its counters at most this often, when they changed
+MAX_EARLY_CANCELS = 10_000  # bounds what CANCELs for unknown requests can make MD remember
 
 
 @dataclass
@@ -76,6 +84,8 @@ class MainDecode:
         self.scheduler = scheduler
         self.config = config
         self.parked: dict[str, Parked] = {}
+        # CANCELs that arrived before the request's KV did: rid -> (reason, when).
+        self.early_cancels: dict[str, tuple[str, float]] = {}
         self.stats = Stats()
         self.stats_logged = Stats()
         self.stats_logged_at = 0.0
@@ -83,10 +93,15 @@ class MainDecode:
         self.control = ControlSocket(secret=config.secret())
         addr = f"tcp://{config.control_host}:{config.control_port}"
         self.control.bind(addr)
+        self.reporter = CacheReporter(config.cache_block, self.control.send)
+        install(scheduler.tree_cache, self.reporter)
         # A control message must wake the scheduler when it waits between transfer polls.
         w = waiter(scheduler)
         if w is not None:
             w.add(self.control.socket)
+        sleeper = getattr(scheduler, "idle_sleeper", None)  # --sleep-on-idle
+        if sleeper is not None and hasattr(sleeper, "poller"):
+            sleeper.poller.register(self.control.socket, zmq.POLLIN)
         logger.info("PDD MainDecode: control plane on %s", addr)
 
     # -- parking ----------------------------------------------------------------------------
@@ -103,6 +118,11 @@ class MainDecode:
             parked = Parked(req=req, hint=hint, prompt_len=prompt_len, prefix_len=req.prefix_len)
             self.parked[req.rid] = parked
             self.stats.parked += 1
+            early = self.early_cancels.pop(req.rid, None)
+            if early is not None:  # RLD finished it: keep the prompt's KV for the next turn
+                self.cancel(parked, f"cancelled by the router: {early[0]}")
+                self.stats.cancelled += 1
+                continue
             cached = int(getattr(req.kv, "cache_protected_len", 0) or 0)
             self.control.send(
                 hint.reply_to,
@@ -124,8 +144,11 @@ class MainDecode:
         handoffs: list[tuple[Parked, Handoff]] = []
         seen: set[str] = set()
         for msg in self.control.recv_nowait():
+            if isinstance(msg, SyncRequest):
+                self.reporter.on_sync_request(msg)
+                continue
             parked = self._check(msg)
-            if parked is None:
+            if parked is None or not isinstance(msg, Chunk | Handoff | Cancel):
                 continue
             if msg.rid in seen:  # each step acts at most once per request
                 self._reject(parked, msg.rid, "a second control message in one step")
@@ -147,19 +170,29 @@ class MainDecode:
         if handoffs:
             self._handoff(handoffs)
         self._expire()
+        self.reporter.flush()
         self._log_stats()
 
     def _log_stats(self) -> None:
         now = time.monotonic()
         if now - self.stats_logged_at >= STATS_LOG_S and self.stats != self.stats_logged:
-            logger.info("PDD MainDecode: %s, parked now %d", self.stats, len(self.parked))
+            logger.info("PDD MainDecode: %s, parked now %d, cache sync %s, %d blocks held",
+                        self.stats, len(self.parked), self.reporter.stats,
+                        len(self.reporter.held))  # fmt: skip
             self.stats_logged, self.stats_logged_at = replace(self.stats), now
 
     def _check(self, msg: Message) -> Parked | None:
         if not isinstance(msg, Chunk | Handoff | Cancel):
-            self._reject(None, msg.rid, f"MD does not accept {type(msg).__name__}")
+            rid = getattr(msg, "rid", "-")
+            self._reject(None, rid, f"MD does not accept {type(msg).__name__}")
             return None
         parked = self.parked.get(msg.rid)
+        if parked is None and isinstance(msg, Cancel):
+            # Its KV is still on the way (or it already left): act when it lands.
+            if len(self.early_cancels) >= MAX_EARLY_CANCELS:
+                self.early_cancels.pop(next(iter(self.early_cancels)))
+            self.early_cancels[msg.rid] = (msg.reason, time.monotonic())
+            return None
         if parked is None:
             # A late message for a request that already left (finished, cancelled, expired).
             logger.info("PDD: %s for rid %s, which is not parked", type(msg).__name__, msg.rid)
@@ -273,6 +306,9 @@ class MainDecode:
     def _expire(self) -> None:
         limit = self.config.park_timeout_s
         now = time.monotonic()
+        for rid, (_, at) in list(self.early_cancels.items()):
+            if now - at > limit:  # its KV never came (aborted, failed): forget it
+                del self.early_cancels[rid]
         for parked in list(self.parked.values()):
             if now - parked.parked_at > limit:
                 self.stats.timed_out += 1
@@ -357,8 +393,9 @@ def _around_next_decode_batch(original: Any, scheduler: Any, *args: Any, **kwarg
 
 def _after_is_fully_idle(result: bool, scheduler: Any, *args: Any, **kwargs: Any) -> bool:
     md = main_decode(scheduler)
-    # Parked requests hold KV: the scheduler is not idle (its idle leak check would fire).
-    return result and not (md is not None and md.parked)
+    # Parked requests hold KV: the scheduler is not idle (its idle leak check would fire); a
+    # cache-sync batch still to send keeps the loop (and so poll) going until it is sent.
+    return result and not (md is not None and (md.parked or md.reporter.dirty))
 
 
 def _after_abort_request(result: None, scheduler: Any, recv_req: Any) -> None:

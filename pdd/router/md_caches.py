@@ -1,0 +1,84 @@
+"""The router's view of every MD's radix cache: one CacheMirror per MD, kept by cache sync.
+
+The router asks each MD (SyncRequest) at start-up and every `interval_s`: MD answers with a
+snapshot if the router's view is stale, else a heartbeat, and sends deltas as its tree changes.
+A mirror that heard nothing for three intervals predicts no hit (MD may be gone or cut off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pdd.cache.mirror import CacheMirror
+from pdd.control.messages import CacheSync, Message, SyncRequest
+
+logger = logging.getLogger(__name__)
+NO_EPOCH = "none"  # what the router says before its first snapshot
+SILENT_INTERVALS = 3
+
+
+class MdCaches:
+    def __init__(
+        self,
+        names: Sequence[str],
+        send: Callable[[str, Message], int],
+        reply_to: str,
+        interval_s: float,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.names = list(names)  # each MD's control address
+        self.send = send
+        self.reply_to = reply_to
+        self.interval_s = interval_s
+        self.now = now
+        self.mirrors = {name: CacheMirror(now=now) for name in self.names}
+        self.asked_at: dict[str, float] = {}
+        self.unknown = 0  # CacheSync from an MD this router does not know
+
+    def ask(self, name: str) -> None:
+        mirror = self.mirrors[name]
+        self.asked_at[name] = self.now()
+        self.send(name, SyncRequest(self.reply_to, name, mirror.epoch or NO_EPOCH, mirror.seq))
+
+    def on_sync(self, msg: CacheSync) -> None:
+        mirror = self.mirrors.get(msg.name)
+        if mirror is None:
+            self.unknown += 1
+            logger.warning("cache sync for unknown MD %r", msg.name)
+            return
+        if not mirror.apply(msg) and self.now() - self.asked_at.get(msg.name, 0.0) > 1.0:
+            logger.info("cache sync: MD %s out of step (epoch %s seq %d); asking for a snapshot",
+                        msg.name, msg.epoch, msg.seq)  # fmt: skip
+            self.ask(msg.name)
+
+    def fresh(self, name: str) -> bool:
+        mirror = self.mirrors[name]
+        last = mirror.synced_at
+        silent = last is None or self.now() - last > SILENT_INTERVALS * self.interval_s
+        return not mirror.stale and not silent
+
+    def cached_prefix(self, name: str, tokens: Sequence[int]) -> int:
+        """MD `name`'s cached prefix of `tokens` (block granularity); 0 if its view is not fresh."""
+        return self.mirrors[name].cached_prefix(tokens) if self.fresh(name) else 0
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for name, m in self.mirrors.items():
+            age = None if m.synced_at is None else round(self.now() - m.synced_at, 3)
+            out[name] = {"fresh": self.fresh(name), "epoch": m.epoch, "seq": m.seq,
+                         "block": m.block, "blocks": len(m.hashes), "tokens": m.tokens,
+                         "resyncs": m.resyncs, "synced_s_ago": age}  # fmt: skip
+        return out
+
+    async def loop(self) -> None:
+        while True:
+            for name in self.names:
+                try:
+                    self.ask(name)
+                except Exception:  # one MD's bad address must not stop the others' sync
+                    logger.exception("cache sync request to %s failed", name)
+            await asyncio.sleep(self.interval_s)
