@@ -68,11 +68,11 @@ class ReportingRecorder:
 def install(tree_cache: Any, reporter: CacheReporter) -> bool:
     """Puts the reporting recorder on the tree (or its core); False if the tree has none."""
     for owner in (getattr(tree_cache, "tree_core", None), tree_cache):
-        if owner is not None and hasattr(owner, "kv_events"):
+        if owner is not None and hasattr(getattr(owner, "kv_events", None), "record_store"):
             owner.kv_events = ReportingRecorder(owner.kv_events, reporter)
             logger.info("PDD cache sync: reporting %s in %d-token blocks",
                         type(tree_cache).__name__, reporter.block)  # fmt: skip
             return True
-    logger.warning("PDD cache sync: %s has no kv_events; MD's cache is not reported",
-                   type(tree_cache).__name__)  # fmt: skip
+    logger.warning("PDD cache sync: %s reports no tree events to Python; MD's cache is not "
+                   "reported (routers predict no hit)", type(tree_cache).__name__)  # fmt: skip
     return False

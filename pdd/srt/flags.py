@@ -29,6 +29,7 @@ ENV_CONTROL_PORT = "PDD_CONTROL_PORT"
 ENV_PARK_TIMEOUT = "PDD_PARK_TIMEOUT_S"
 ENV_SECRET_FILE = "PDD_CONTROL_SECRET_FILE"
 ENV_CACHE_BLOCK = "PDD_CACHE_BLOCK"
+ENV_TREE_CORE = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
 DEFAULT_PARK_TIMEOUT_S = 120.0
 DEFAULT_CACHE_BLOCK = 16
 
@@ -154,10 +155,17 @@ def config_from_args(args: argparse.Namespace) -> PddConfig:
 
 def adjust_role_args(args: argparse.Namespace) -> None:
     """MainDecode runs its handoff extends between SGLang's batches, which needs the
-    non-overlapped scheduler loop."""
-    if getattr(args, "pdd_role", None) == "main" and not args.disable_overlap_schedule:
+    non-overlapped scheduler loop; and it reports its radix tree node by node, which SGLang's
+    Python tree core does (the Rust one keeps its tree events inside Rust)."""
+    if getattr(args, "pdd_role", None) != "main":
+        return
+    if not args.disable_overlap_schedule:
         args.disable_overlap_schedule = True
         logger.info("pdd: --pdd-role main runs with --disable-overlap-schedule")
+    if os.environ.get(ENV_TREE_CORE) != "python":
+        os.environ[ENV_TREE_CORE] = "python"
+        logger.info("pdd: --pdd-role main uses the Python radix tree core (%s=python)",
+                    ENV_TREE_CORE)  # fmt: skip
 
 
 def _after_add_cli_args(result: None, parser: argparse.ArgumentParser) -> None:
