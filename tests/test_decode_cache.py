@@ -12,6 +12,7 @@ enough to flip one.
 from __future__ import annotations
 
 import os
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -88,6 +89,7 @@ def conversation(setup: Setup, seed: int, turns: int) -> list[tuple[dict, int, i
         got, wan = setup.turn(ids, compare=k == 0)
         out.append((got, wan, len(ids)))
         ids = ids + got["output_ids"] + random_ids(150, seed * 100 + k, VOCAB)
+        time.sleep(0.5)  # MD's cache sync (batched every 50 ms) reaches the router
     return out
 
 
@@ -104,6 +106,9 @@ def test_each_turn_sends_only_what_md_lacks(setup: Setup) -> None:
         print(f"turn {k + 1}: prompt {prompt}, MD cached {cached}, KV MD lacked {expected} B, "
               f"WAN A->B {wan} B ({wan / expected - 1:+.2%})")  # fmt: skip
         assert meta["wan_kv_bytes"] == expected, meta
+        # The router knew MD's hit before sending, to within one 16-token block.
+        predicted = meta["md_predicted_cached_tokens"]
+        assert predicted <= cached < predicted + 16, (k, meta)
         assert abs(wan - expected) <= TOLERANCE * expected, (k, wan, expected)
         previous_prompt = prompt
     full = turns[-1][2] * setup.kv_per_token
@@ -120,8 +125,10 @@ def test_after_md_evicts_what_it_lacks_crosses_again(setup: Setup) -> None:
     ids = random_ids(400, 2, VOCAB)
     for k, (turn, _, _) in enumerate(first):
         ids = ids + turn["output_ids"] + random_ids(150, 2 * 100 + k, VOCAB)
+    time.sleep(0.5)
     again, wan = setup.turn(ids)
     meta = again["meta_info"]["pdd"]
     assert meta["md_cached_tokens"] <= 1, meta
+    assert meta["md_predicted_cached_tokens"] == 0, meta  # the flush reached the router too
     expected = (len(ids) - meta["md_cached_tokens"]) * setup.kv_per_token
     assert abs(wan - expected) <= TOLERANCE * expected, (wan, expected)
