@@ -89,7 +89,7 @@ def conversation(setup: Setup, seed: int, turns: int) -> list[tuple[dict, int, i
         got, wan = setup.turn(ids, compare=k == 0)
         out.append((got, wan, len(ids)))
         ids = ids + got["output_ids"] + random_ids(150, seed * 100 + k, VOCAB)
-        time.sleep(0.5)  # MD's cache sync (batched every 50 ms) reaches the router
+        time.sleep(0.5)  # MD's cache sync (batched every 20 ms) reaches the router
     return out
 
 

@@ -89,7 +89,7 @@ class Deployment:
         self.send(SyncRequest(self.reply_to, self.md_addr, m.epoch or "none", m.seq))
 
     def predicted(self, ids: list[int], settle_s: float = 1.0) -> int:
-        """The mirror's cached prefix of `ids` once MD's latest changes (sent every 50 ms at
+        """The mirror's cached prefix of `ids` once MD's latest changes (sent every 20 ms at
         most) have arrived."""
         time.sleep(0.1)  # lets MD finish caching the request that just ended
         self.ask_cache()  # answered after every pending delta: a barrier

@@ -34,7 +34,7 @@ class CacheReporter:
         block: int,
         send: Send,
         *,
-        flush_s: float = 0.05,
+        flush_s: float = 0.02,
         subscriber_ttl_s: float = 120.0,
         now: Callable[[], float] = time.monotonic,
     ) -> None:
