@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
         for name, decode_cache in (("no decode cache", False), ("decode cache", True)):
             pdd = PDDDeployment.create(args.model, args.out / name.replace(" ", "_"),
                                        tb.placement("a"), tb.placement("b"), main_args=pool,
-                                       prefill_args=pool, decode_cache=decode_cache)  # fmt: skip
+                                       prefill_args=pool, decode_cache=decode_cache,
+                                       router_args=("--path", "pdd"))  # fmt: skip
             try:
                 print(f"starting P + RLD (A), MD (B), router (A): {name}", flush=True)
                 pdd.up()

@@ -34,7 +34,7 @@ class RouterService(HttpService):
     control_host: str | None = None
     control_advertise: str | None = None
     control_port: int = 0  # 0: a free port, picked now
-    path: str | None = None  # default path; None: pdd, or the only one the tiers allow
+    path: str | None = None  # default path; None: auto, or the only one the tiers allow
     extra_args: list[str] = field(default_factory=list)
     process: ManagedProcess | None = None
 
@@ -46,7 +46,7 @@ class RouterService(HttpService):
         if self.path is not None:
             return self.path
         if self.relay and self.main:
-            return "pdd"
+            return "auto"
         return "relay" if self.relay else "main"
 
     def argv(self) -> list[str]:

@@ -2,18 +2,34 @@
 
 from pdd.policy.balance import pick_least_loaded
 from pdd.policy.handoff import HandoffPolicy, Step, choose_mode, handoff_tokens, next_step
-from pdd.policy.path import LABELS, PATHS, PathChoice, choose_path, handoff_blockers
+from pdd.policy.path import (
+    DEFAULT_PATHS,
+    LABELS,
+    PATHS,
+    PathChoice,
+    PathPolicy,
+    Signals,
+    auto_path,
+    choose_path,
+    handoff_blockers,
+    transfer_seconds,
+)
 
 __all__ = [
+    "DEFAULT_PATHS",
     "LABELS",
     "PATHS",
     "HandoffPolicy",
     "PathChoice",
+    "PathPolicy",
+    "Signals",
     "Step",
+    "auto_path",
     "choose_mode",
     "choose_path",
     "handoff_blockers",
     "handoff_tokens",
     "next_step",
     "pick_least_loaded",
+    "transfer_seconds",
 ]

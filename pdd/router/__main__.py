@@ -17,6 +17,7 @@ from aiohttp import web
 from pdd.launch.cli import command_parser
 from pdd.router.app import make_app
 from pdd.router.config import build_parser, config_from_args
+from pdd.router.tokenizer import TokenizerError
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,7 +31,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    web.run_app(make_app(config), host=config.host, port=config.port, access_log=None)
+    try:
+        app = make_app(config)  # loads --tokenizer, if given
+    except TokenizerError as err:
+        parser.error(str(err))
+    web.run_app(app, host=config.host, port=config.port, access_log=None)
 
 
 if __name__ == "__main__":

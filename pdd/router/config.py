@@ -9,7 +9,8 @@ from urllib.parse import urlsplit
 
 from pdd.control.secret import ENV_SECRET, read_secret
 from pdd.policy.handoff import MODES, HandoffPolicy
-from pdd.policy.path import PATHS
+from pdd.policy.path import DEFAULT_PATHS, PathPolicy
+from pdd.router.tokenizer import check_tokenizer_dir
 
 
 def _check_url(url: str) -> str:
@@ -24,6 +25,13 @@ def _port(value: str | int, what: str) -> int:
     if not 0 < port < 65536:
         raise ValueError(f"{what} must be in 1-65535, got {port}")
     return port
+
+
+def _tokenizer_dir(path: Path | None) -> Path | None:
+    # Checked at parsing, so a wrong path is a usage error, not a transformers traceback.
+    if path is not None:
+        check_tokenizer_dir(path)
+    return path
 
 
 @dataclass(frozen=True)
@@ -73,10 +81,15 @@ class RouterConfig:
     control_host: str = "127.0.0.1"
     control_port: int = 0  # 0: any free port
     control_advertise: str | None = None  # the host MD reaches the router at, if not control_host
-    path: str = "pdd"
+    path: str = "auto"
     handoff: HandoffPolicy = field(default_factory=HandoffPolicy)
     timeouts: Timeouts = field(default_factory=Timeouts)
     secret: bytes | None = None
+    # The OpenAI endpoints (/v1/...): the router tokenizes their prompts itself. The name and
+    # the prompt limit default to the tokenizer directory's name and its config.json.
+    tokenizer: Path | None = None
+    served_model_name: str | None = None
+    max_prompt_tokens: int | None = None
     # Feed MD only once the client has this many tokens from RLD: emulates a slow WAN transfer
     # without a testbed, so tests can force Catch-Up deterministically; 0 in production.
     md_feed_after_tokens: int = 0
@@ -85,16 +98,32 @@ class RouterConfig:
     relay_pace_s: float = 0.0
     # How often the router asks each MD what its radix cache holds (also a heartbeat).
     cache_sync_interval_s: float = 5.0
+    path_policy: PathPolicy = field(default_factory=PathPolicy)
+    health_interval_s: float = 2.0
+    wan_mbit: float | None = None  # a first guess of the WAN's bandwidth, until measured
+    prefill_index_blocks: int = 200_000  # 16-token blocks the router remembers per P
+    prefix_slack: int = 2  # requests more than the least loaded that a better prefix may cost
 
     def __post_init__(self) -> None:
         if not self.prefill:
             raise ValueError("at least one --prefill instance is needed")
-        if self.path not in PATHS:
-            raise ValueError(f"--path must be one of {PATHS}, got {self.path!r}")
+        name, limit = self.served_model_name, self.max_prompt_tokens
+        if self.tokenizer is None and (name, limit) != (None, None):
+            raise ValueError("--served-model-name and --max-prompt-tokens need --tokenizer")
+        if name == "" or (limit is not None and limit < 1):
+            raise ValueError("--served-model-name must be non-empty, --max-prompt-tokens >= 1")
+        if self.path not in DEFAULT_PATHS:
+            raise ValueError(f"--path must be one of {DEFAULT_PATHS}, got {self.path!r}")
         if self.path in ("pdd", "relay") and not self.relay:
             raise ValueError(f"--path {self.path} needs at least one --relay instance")
         if self.path in ("pdd", "main") and not self.main:
             raise ValueError(f"--path {self.path} needs at least one --main instance")
+        if self.path == "auto" and not (self.relay or self.main):
+            raise ValueError("--path auto needs a --relay or a --main instance")
+        if self.health_interval_s <= 0 or self.prefill_index_blocks < 1 or self.prefix_slack < 0:
+            raise ValueError("--health-interval > 0, --prefix-slack >= 0 needed")
+        if self.wan_mbit is not None and self.wan_mbit <= 0:
+            raise ValueError("--wan-mbit must be > 0")
         if self.cache_sync_interval_s <= 0:
             raise ValueError("--cache-sync-interval must be > 0")
         if self.md_feed_after_tokens < 0 or self.relay_pace_s < 0:
@@ -145,10 +174,42 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     add(
         "--path",
-        choices=PATHS,
-        default="pdd",
-        help="default path when a request has no pdd_path: pdd (P->RLD->MD), relay (P->RLD), "
-        "main (P->MD)",
+        choices=DEFAULT_PATHS,
+        default="auto",
+        help="default path when a request has no pdd_path: auto (chosen per request from MD's "
+        "cached prefix, the WAN's measured speed, RLD's load and the output length), pdd "
+        "(P->RLD->MD), relay (P->RLD), main (P->MD)",
+    )
+    add(
+        "--direct-max-ms",
+        type=float,
+        default=250.0,
+        help="auto: P->MD when the uncached suffix's KV is expected at MD within this",
+    )
+    add(
+        "--relay-max-load",
+        type=int,
+        default=32,
+        help="auto: an RLD with this many requests takes no new one (they go P->MD)",
+    )
+    add(
+        "--relay-only-max-load",
+        type=int,
+        default=16,
+        help="auto: relay-only (P->RLD) traffic stops at this RLD load, so it cannot swamp RLD",
+    )
+    add(
+        "--wan-mbit",
+        type=float,
+        default=None,
+        help="a first guess of the WAN bandwidth to MD, until the router has measured it",
+    )
+    add("--health-interval", type=float, default=2.0, help="seconds between health checks")
+    add(
+        "--prefix-slack",
+        type=int,
+        default=2,
+        help="requests above the least-loaded instance a longer cached prefix may cost",
     )
     add("--handoff-mode", choices=MODES, default="auto")
     add("--catchup-chunk", type=int, default=64, help="tokens per Catch-Up chunk")
@@ -185,6 +246,25 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help=f"the control-plane HMAC secret (else ${ENV_SECRET}; unset: unsigned messages)",
+    )
+    add(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="a local model directory with the served model's tokenizer: enables the OpenAI "
+        "endpoints (/v1/chat/completions, /v1/completions, /v1/models)",
+    )
+    add(
+        "--served-model-name",
+        default=None,
+        help="the model name the OpenAI endpoints answer to (default: the tokenizer's directory)",
+    )
+    add(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="longest prompt the OpenAI endpoints accept (default: max_position_embeddings in "
+        "the tokenizer directory's config.json, else 32768)",
     )
     add(
         "--cache-sync-interval",
@@ -236,7 +316,18 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             request=args.request_timeout,
         ),
         secret=read_secret(args.secret_file),
+        tokenizer=_tokenizer_dir(args.tokenizer),
+        served_model_name=args.served_model_name,
+        max_prompt_tokens=args.max_prompt_tokens,
         md_feed_after_tokens=args.md_feed_after_tokens,
         relay_pace_s=args.relay_pace_ms / 1000.0,
         cache_sync_interval_s=args.cache_sync_interval,
+        path_policy=PathPolicy(
+            direct_max_s=args.direct_max_ms / 1000.0,
+            relay_max_load=args.relay_max_load,
+            relay_only_max_load=args.relay_only_max_load,
+        ),
+        health_interval_s=args.health_interval,
+        wan_mbit=args.wan_mbit,
+        prefix_slack=args.prefix_slack,
     )

@@ -12,14 +12,21 @@ import aiohttp
 
 from pdd.control.channel import AsyncControlSocket, Received
 from pdd.control.messages import CacheSync, Message
-from pdd.policy.balance import pick_least_loaded
+from pdd.policy.balance import pick_by_prefix, pick_least_loaded
 from pdd.router.config import RouterConfig
+from pdd.router.estimates import RelaySpeed, WanEstimate, wan_estimate
+from pdd.router.health import Health
 from pdd.router.md_caches import MdCaches
 from pdd.router.metrics import Metrics
+from pdd.router.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
 TIERS = ("prefill", "relay", "main")
+
+
+class NoInstance(Exception):
+    """Every instance a request needs is down: the client gets a 503 with the reason."""
 
 
 @dataclass
@@ -29,8 +36,7 @@ class Load:
     active: list[int]
     cursor: int = 0
 
-    def pick(self) -> int:
-        i = pick_least_loaded(self.active, self.cursor)
+    def advance(self, i: int) -> int:
         self.cursor = (i + 1) % len(self.active)
         return i
 
@@ -47,23 +53,43 @@ class RouterContext:
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     unknown_rids: int = 0
     caches: MdCaches = field(init=False)
+    health: Health = field(init=False)
+    wan: list[WanEstimate] = field(init=False)  # per MD
+    relay_speed: RelaySpeed = field(default_factory=RelaySpeed)
+    prefill_index: list[PrefixIndex] = field(init=False)  # per P
 
     def __post_init__(self) -> None:
-        names = [t.control_addr for t in self.config.main]
-        self.caches = MdCaches(names, self.send, self.reply_to, self.config.cache_sync_interval_s)
-        sizes = {
-            "prefill": len(self.config.prefill),
-            "relay": len(self.config.relay),
-            "main": len(self.config.main),
+        cfg = self.config
+        names = [t.control_addr for t in cfg.main]
+        self.caches = MdCaches(names, self.send, self.reply_to, cfg.cache_sync_interval_s)
+        urls = {
+            "prefill": [t.url for t in cfg.prefill],
+            "relay": [t.url for t in cfg.relay],
+            "main": [t.url for t in cfg.main],
         }
+        self.health = Health(urls, cfg.health_interval_s)
+        self.wan = [wan_estimate(cfg.wan_mbit) for _ in cfg.main]
+        self.prefill_index = [PrefixIndex(cfg.prefill_index_blocks) for _ in cfg.prefill]
         for tier in TIERS:
-            self.loads.setdefault(tier, Load([0] * sizes[tier]))
+            self.loads.setdefault(tier, Load([0] * len(urls[tier])))
 
-    def acquire(self, tier: str) -> int:
-        load = self.loads[tier]
-        i = load.pick()
-        load.active[i] += 1
-        return i
+    def live_loads(self, tier: str) -> list[int | None]:
+        """Each instance's requests in flight; None for an instance that is down."""
+        active = self.loads[tier].active
+        return [n if self.health.up(tier, i) else None for i, n in enumerate(active)]
+
+    def pick(self, tier: str, prefixes: list[int] | None = None) -> int:
+        """The instance a new request should use (NoInstance if all are down)."""
+        loads, load = self.live_loads(tier), self.loads[tier]
+        if all(n is None for n in loads):
+            raise NoInstance(f"every {tier} instance is down")
+        if prefixes is None:
+            return load.advance(pick_least_loaded(loads, load.cursor))
+        slack = self.config.prefix_slack
+        return load.advance(pick_by_prefix(loads, prefixes, slack, load.cursor))
+
+    def hold(self, tier: str, i: int) -> None:
+        self.loads[tier].active[i] += 1
 
     def release(self, tier: str, i: int) -> None:
         self.loads[tier].active[i] -= 1

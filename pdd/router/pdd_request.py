@@ -19,8 +19,9 @@ from typing import Any
 from pdd.control.channel import Received
 from pdd.control.messages import Ack, Cancel, Chunk, Error, Handoff, Ready, route_hint
 from pdd.policy.handoff import Step, choose_mode, handoff_tokens, next_step
-from pdd.policy.path import LABELS, PathChoice
+from pdd.policy.path import LABELS
 from pdd.router.context import RouterContext
+from pdd.router.planner import Plan, prompt_ids
 from pdd.router.stitch import Kind, Phase, Stitcher
 from pdd.router.upstream import UpstreamError, abort_request, post_generate, stream_generate
 
@@ -119,9 +120,11 @@ class PddRequest:
         self,
         ctx: RouterContext,
         body: dict[str, Any],
-        choice: PathChoice,
+        plan: Plan,
         disconnected: Callable[[], bool] = lambda: False,
     ) -> None:
+        choice = plan.choice
+        self.plan = plan
         self.ctx = ctx
         self.cfg = ctx.config
         self.body = body  # the client's body minus router fields; `stream` is set per call
@@ -151,8 +154,18 @@ class PddRequest:
 
     @property
     def prompt_ids(self) -> list[int] | None:
-        ids = self.body.get("input_ids")
-        return ids if isinstance(ids, list) and all(isinstance(t, int) for t in ids) else None
+        return prompt_ids(self.body)
+
+    def _unreachable(self, tier: str, err: UpstreamError) -> None:
+        """A refused connection marks the instance down now, not at the next health check."""
+        if err.status == 503 and tier in self.held:
+            self.ctx.health.mark_down(tier, self.held[tier], err.reason)
+
+    def _acquire(self, tier: str, i: int | None) -> int:
+        assert i is not None, f"the plan has no {tier} instance"
+        self.ctx.hold(tier, i)
+        self.held[tier] = i
+        return i
 
     def _count_hit(self, side: str, cached: int, prompt: int) -> None:
         self.ctx.metrics.inc("prefix_cached_tokens_total", cached, side=side)
@@ -180,21 +193,21 @@ class PddRequest:
 
     def start(self) -> None:
         self.ctx.subscribe(self.rid, self.events)
-        self.held["prefill"] = self.ctx.acquire("prefill")
-        self.meta.instances["prefill"] = self.cfg.prefill[self.held["prefill"]].url
+        p = self._acquire("prefill", self.plan.prefill)
+        self.meta.instances["prefill"] = self.cfg.prefill[p].url
+        if self.prompt_ids is not None:
+            self.ctx.prefill_index[p].add(self.prompt_ids)
         if self.path in ("pdd", "relay"):
-            self.held["relay"] = self.ctx.acquire("relay")
+            self._acquire("relay", self.plan.relay)
             self.meta.instances["relay"] = self.relay_url
             self.relay = RelayState.RUNNING
             self._prefill("p", self.room)
             relay_body = self._body(rid=f"{self.rid}-r", room=self.room, stream=True)
             self._stream("relay", self.relay_url, relay_body, "RLD")
         if self.path in ("pdd", "main"):
-            self.held["main"] = self.ctx.acquire("main")
+            self._acquire("main", self.plan.main)
             self.meta.instances["main"] = self.main_url
-            if self.prompt_ids is not None:
-                predicted = self.ctx.caches.cached_prefix(self.main_addr, self.prompt_ids)
-                self.meta.md_predicted_cached_tokens = predicted
+            self.meta.md_predicted_cached_tokens = self.plan.md_predicted
             park = self.path == "pdd"
             hints = route_hint(role="main", park=park, reply_to=self.ctx.reply_to)
             main_body = self._body(rid=self.rid, room=self.room_md, stream=True, hints=hints)
@@ -231,6 +244,7 @@ class PddRequest:
                 cached = cached if isinstance(cached, int) else None
                 self.events.put_nowait(PrefillDone(which, None, cached))
             except UpstreamError as err:
+                self._unreachable("prefill", err)
                 self.events.put_nowait(PrefillDone(which, err))
             except Exception as err:  # a bug here must end the request, not hang it
                 logger.exception("request %s: prefill call failed", self.rid)
@@ -249,6 +263,7 @@ class PddRequest:
                     self.events.put_nowait(StreamChunk(source, chunk))
                 self.events.put_nowait(StreamEnd(source, None))
             except UpstreamError as err:
+                self._unreachable(source, err)
                 self.events.put_nowait(StreamEnd(source, err))
             except Exception as err:
                 logger.exception("request %s: %s stream failed", self.rid, role)
@@ -356,6 +371,7 @@ class PddRequest:
             self._maybe_feed_main()
             return [Output(fed.chunk)]
         # RLD finished before the handoff: that is the client's answer.
+        self._observe_relay_speed()
         self.relay = RelayState.FINISHED
         self._release("relay")
         self.meta.relay_tokens = len(self.stitcher.emitted)
@@ -378,9 +394,15 @@ class PddRequest:
             return []
         return self._fail(reason, 502)
 
+    def _observe_relay_speed(self) -> None:
+        first = self.meta.timings.get("first_token")
+        if first is not None and self.path in ("pdd", "relay"):
+            self.ctx.relay_speed.observe(len(self.stitcher.emitted), self._now() - first)
+
     def _stop_relay(self) -> None:
         if self.relay is not RelayState.RUNNING:
             return
+        self._observe_relay_speed()
         self.relay = RelayState.STOPPED
         self._release("relay")
         self._cancel_task("relay")
@@ -449,6 +471,11 @@ class PddRequest:
         self.meta.md_cached_tokens = msg.cached_len
         self.meta.md_prompt_tokens = msg.prompt_len
         self._count_hit("MD", msg.cached_len, msg.prompt_len)
+        t = self.meta.timings
+        if "prefill_md_sent" in t:  # feeding MD -> its KV landed: what the WAN took
+            self.ctx.wan[self.held["main"]].observe(
+                msg.wan_kv_bytes, msg.prompt_len - msg.cached_len, t["ready"] - t["prefill_md_sent"]
+            )
         if self.md is not MdState.PENDING:
             return []
         pending = len(self.stitcher.emitted)

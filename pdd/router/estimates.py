@@ -1,0 +1,80 @@
+"""What the router learns from traffic to predict a path's cost: per MD, the KV bytes per token
+and the WAN's bandwidth and fixed latency (from each READY: KV bytes and the time from feeding
+MD to READY); RLD's time per output token (from its streams). Moving averages, so estimates
+follow a WAN that changes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdd.policy.path import transfer_seconds
+
+ALPHA = 0.3  # weight of a new observation
+SMALL_TRANSFER = 64 << 10  # bytes: a transfer this small measures the fixed latency
+LARGE_TRANSFER = 256 << 10  # bytes: one this large measures the bandwidth
+
+
+@dataclass
+class Ewma:
+    value: float | None = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - ALPHA) * self.value + ALPHA * x
+
+
+@dataclass
+class WanEstimate:
+    """One MD's link: transfer time = overhead + bytes / bandwidth."""
+
+    kv_bytes_per_token: float | None = None
+    bytes_per_s: Ewma = field(default_factory=Ewma)
+    overhead_s: Ewma = field(default_factory=Ewma)
+    samples: int = 0
+
+    def observe(self, kv_bytes: int, kv_tokens: int, seconds: float) -> None:
+        if kv_tokens > 0 and kv_bytes > 0:
+            self.kv_bytes_per_token = kv_bytes / kv_tokens
+        if seconds <= 0:
+            return
+        self.samples += 1
+        if kv_bytes <= SMALL_TRANSFER:
+            self.overhead_s.add(seconds)
+        elif kv_bytes >= LARGE_TRANSFER:
+            fixed = min(self.overhead_s.value or 0.0, 0.8 * seconds)
+            self.bytes_per_s.add(kv_bytes / (seconds - fixed))
+
+    def transfer_s(self, suffix_tokens: int) -> float | None:
+        return transfer_seconds(suffix_tokens, self.kv_bytes_per_token, self.bytes_per_s.value,
+                                self.overhead_s.value or 0.0)  # fmt: skip
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        bw, fixed = self.bytes_per_s.value, self.overhead_s.value
+        return {
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "mbit_per_s": None if bw is None else round(bw * 8 / 1e6, 3),
+            "overhead_s": None if fixed is None else round(fixed, 4),
+            "samples": self.samples,
+        }
+
+
+def wan_estimate(prior_mbit: float | None) -> WanEstimate:
+    est = WanEstimate()
+    if prior_mbit:
+        est.bytes_per_s.add(prior_mbit * 1e6 / 8)
+    return est
+
+
+@dataclass
+class RelaySpeed:
+    """RLD's seconds per output token, from the streams the router relays."""
+
+    tpot_s: Ewma = field(default_factory=Ewma)
+    min_tokens: int = 8  # shorter streams say more about TTFT than about decode speed
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens >= self.min_tokens and seconds > 0:
+            self.tpot_s.add(seconds / (tokens - 1))
+
+    def decode_s(self, max_new_tokens: int) -> float | None:
+        tpot = self.tpot_s.value
+        return None if tpot is None else tpot * max_new_tokens

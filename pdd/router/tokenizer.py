@@ -1,0 +1,98 @@
+"""The router's own tokenizer, for the OpenAI endpoints: the router turns text and chat messages
+into input ids itself, so every server of a request sees identical ids and the router can hash
+prompts (cache sync). Loaded once, offline, from a local directory; transformers is imported
+only when a tokenizer is configured."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Files that make a directory loadable by AutoTokenizer (fast, slow or sentencepiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+DEFAULT_MAX_PROMPT_TOKENS = 32768
+
+
+class TokenizerError(ValueError):
+    """The tokenizer cannot be loaded, or cannot do what a request asks (no chat template)."""
+
+
+def check_tokenizer_dir(path: Path) -> None:
+    """Fails early (at argument parsing) with a clear message instead of a transformers trace."""
+    if not path.is_dir():
+        raise TokenizerError(f"--tokenizer {path}: not a directory (give a local model directory)")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise TokenizerError(
+            f"--tokenizer {path}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)})"
+        )
+
+
+def default_model_name(path: Path) -> str:
+    return path.resolve().name
+
+
+def default_max_prompt_tokens(path: Path) -> int:
+    """The model's context length (max_position_embeddings in config.json), else 32768."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return DEFAULT_MAX_PROMPT_TOKENS
+    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return DEFAULT_MAX_PROMPT_TOKENS
+
+
+def to_token_ids(value: Any) -> list[int]:
+    """A plain list of ints from what a tokenizer returns: a list, a dict or BatchEncoding with
+    `input_ids` (transformers 5 returns one from apply_chat_template), a batch of one, or an
+    array."""
+    if isinstance(value, Mapping) or hasattr(value, "input_ids"):
+        value = value["input_ids"] if isinstance(value, Mapping) else value.input_ids
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, Sequence) and len(value) == 1 and isinstance(value[0], Sequence):
+        value = value[0]
+    if not isinstance(value, Sequence) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise TokenizerError(f"the tokenizer returned {type(value).__name__}, not token ids")
+    return list(value)
+
+
+@dataclass(frozen=True)
+class RouterTokenizer:
+    path: Path
+    hf: Any  # a transformers PreTrainedTokenizerBase
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        # Special tokens as SGLang adds them to a /v1/completions text prompt (the tokenizer's
+        # default, add_special_tokens=True), so ids equal what an SGLang server would make.
+        return to_token_ids(self.hf.encode(text))
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        if not self.has_chat_template:
+            raise TokenizerError(
+                f"the tokenizer at {self.path.name} has no chat template: "
+                "use /v1/completions with a prompt instead"
+            )
+        out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return to_token_ids(out)
+
+
+def load_tokenizer(path: Path) -> RouterTokenizer:
+    check_tokenizer_dir(path)
+    from transformers import AutoTokenizer  # lazily: only routers with --tokenizer need it
+
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as err:  # transformers raises many types; all mean "unusable here"
+        raise TokenizerError(f"--tokenizer {path}: cannot load a tokenizer: {err}") from err
+    return RouterTokenizer(path, hf)

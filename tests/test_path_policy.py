@@ -1,0 +1,134 @@
+"""The path policy and instance choice as pure logic, over a table of situations."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdd.policy.balance import pick_by_prefix, pick_least_loaded
+from pdd.policy.path import PathPolicy, Signals, auto_path, choose_path, transfer_seconds
+from pdd.router.estimates import RelaySpeed, wan_estimate
+from pdd.router.health import Health
+from pdd.router.prefix_index import PrefixIndex
+
+POLICY = PathPolicy(direct_max_s=0.25, relay_max_load=8, relay_only_max_load=4, margin=1.5)
+
+
+def sig(**kw: object) -> Signals:
+    base: dict = {"prompt_tokens": 4000, "max_new_tokens": 200, "md_cached_tokens": 0,
+                  "transfer_s": 2.0, "relay_decode_s": 6.0, "relay_load": 1}  # fmt: skip
+    return Signals(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    "signals, path, why",
+    [
+        # 95% cached on MD: the suffix arrives in 0.1 s, no relay needed.
+        (sig(md_cached_tokens=3800, transfer_s=0.1), "main", "high hit"),
+        # Low hit, long answer: RLD hides the 2 s transfer, then hands off.
+        (sig(), "pdd", "low hit"),
+        # Low hit, 4-token answer: RLD is done in 0.12 s, long before the KV (2 s): singular.
+        (sig(max_new_tokens=4, relay_decode_s=0.12), "relay", "singular"),
+        # ...unless relay-only traffic already fills its share of RLD.
+        (sig(max_new_tokens=4, relay_decode_s=0.12, relay_load=4), "pdd", "low hit"),
+        # RLD overloaded: everything else goes straight to MD.
+        (sig(relay_load=8), "main", "RLD overloaded"),
+        (sig(relay_load=8, max_new_tokens=4, relay_decode_s=0.12), "main", "RLD overloaded"),
+        # A high hit beats RLD's load: it never needed RLD.
+        (sig(relay_load=8, transfer_s=0.05), "main", "high hit"),
+        # Nothing measured yet (first requests): the safe path.
+        (sig(transfer_s=None, relay_decode_s=None), "pdd", "unknown"),
+        (sig(relay_decode_s=None, max_new_tokens=2), "pdd", "low hit"),
+        # Close call: RLD 1.5 s x margin 1.5 > 2 s transfer: not surely first, keep MD.
+        (sig(relay_decode_s=1.5), "pdd", "low hit"),
+        # A tier missing.
+        (sig(md_available=False), "relay", "no MD"),
+        (sig(relay_load=None), "main", "no RLD"),
+    ],
+)
+def test_auto_path(signals: Signals, path: str, why: str) -> None:
+    choice = auto_path(signals, POLICY)
+    assert choice.path == path and why in choice.reason, choice
+
+
+def test_no_tier_at_all_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no RLD and no MD"):
+        auto_path(sig(relay_load=None, md_available=False), POLICY)
+
+
+def test_requested_paths_win_and_blockers_keep_handoffs_away() -> None:
+    assert choose_path("main", "auto", [], sig()).reason == "requested"
+    assert choose_path(None, "pdd", []).reason == "default"
+    assert choose_path(None, "auto", ["return_logprob"], sig()).path == "relay"
+    assert choose_path(None, "auto", ["n"], sig(transfer_s=0.1)).path == "main"
+    with pytest.raises(ValueError, match="needs the request's signals"):
+        choose_path(None, "auto", [])
+    with pytest.raises(ValueError, match="must be one of"):
+        choose_path("sideways", "auto", [], sig())
+
+
+def test_policy_bounds_are_checked() -> None:
+    with pytest.raises(ValueError):
+        PathPolicy(relay_max_load=4, relay_only_max_load=5)
+    with pytest.raises(ValueError):
+        PathPolicy(margin=0.5)
+
+
+def test_transfer_seconds() -> None:
+    assert transfer_seconds(1000, 50_000, 12.5e6, 0.04) == pytest.approx(4.04)
+    assert transfer_seconds(0, None, None, 0.04) == 0.04  # all cached: only the latency
+    assert transfer_seconds(10, None, 1e6, 0.0) is None  # KV size unknown yet
+
+
+def test_wan_estimate_learns_latency_and_bandwidth() -> None:
+    est = wan_estimate(None)
+    assert est.transfer_s(100) is None
+    est.observe(16_000, 500, 0.05)  # small: the fixed latency
+    for _ in range(20):
+        est.observe(32_000 * 1000, 1000, 0.05 + 32e6 / 12.5e6)  # 100 Mbit/s
+    assert est.kv_bytes_per_token == 32_000
+    assert est.to_dict()["mbit_per_s"] == pytest.approx(100, rel=0.05)
+    assert est.transfer_s(100) == pytest.approx(0.05 + 3.2e6 / 12.5e6, rel=0.05)
+    assert wan_estimate(400).to_dict()["mbit_per_s"] == pytest.approx(400)
+
+
+def test_relay_speed_ignores_short_streams() -> None:
+    speed = RelaySpeed()
+    speed.observe(3, 1.0)
+    assert speed.decode_s(100) is None
+    speed.observe(11, 0.5)
+    assert speed.decode_s(100) == pytest.approx(5.0)
+
+
+def test_pickers_skip_down_instances_and_prefer_cached_prefixes() -> None:
+    assert pick_least_loaded([None, 3, 1]) == 2
+    assert pick_least_loaded([None, 0, 0], cursor=0) == 1
+    with pytest.raises(ValueError):
+        pick_least_loaded([None, None])
+    # Instance 2 holds the prompt: chosen while within the slack of the least loaded.
+    assert pick_by_prefix([0, 1, 2], [0, 0, 800], slack=2) == 2
+    assert pick_by_prefix([0, 1, 3], [0, 0, 800], slack=2) == 0  # too busy: load wins
+    assert pick_by_prefix([0, None, 0], [0, 900, 100], slack=2) == 2  # down: skipped
+    assert pick_by_prefix([1, 0], [0, 0], slack=2) == 1  # no prefix anywhere: least loaded
+
+
+def test_health_marks_down_after_repeated_failures_and_up_at_once() -> None:
+    health = Health({"main": ["http://md0", "http://md1"]}, interval_s=1.0, failures=2)
+    health.mark("main", 0, False, "refused")
+    assert health.up("main", 0)  # one failure may be a blip
+    health.mark("main", 0, False, "refused")
+    assert not health.up("main", 0)
+    health.mark("main", 0, True)
+    assert health.up("main", 0)
+    health.mark_down("main", 1, "unreachable")  # a request saw it: at once
+    assert not health.up("main", 1)
+    assert health.status()["main"][1]["last_error"] == "unreachable"
+
+
+def test_prefix_index_remembers_recent_prompts() -> None:
+    index = PrefixIndex(capacity_blocks=10)
+    a, b = list(range(100, 180)), list(range(500, 580))  # 5 blocks each
+    index.add(a)
+    assert index.cached_prefix([*a[:40], 1, 2]) == 32
+    index.add(b)
+    index.add(list(range(900, 916)))  # an 11th block: a's first block is the oldest, dropped
+    assert index.cached_prefix(a) == 0 and index.cached_prefix(b) == 80
