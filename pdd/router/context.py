@@ -78,11 +78,14 @@ class RouterContext:
         active = self.loads[tier].active
         return [n if self.health.up(tier, i) else None for i, n in enumerate(active)]
 
-    def pick(self, tier: str, prefixes: list[int] | None = None) -> int:
-        """The instance a new request should use (NoInstance if all are down)."""
+    def pick(self, tier: str, prefixes: list[int] | None = None, fail_open: bool = False) -> int:
+        """The instance a new request should use. All down: NoInstance, or with `fail_open`
+        (a tier nothing can replace) any of them, and the request finds out for itself."""
         loads, load = self.live_loads(tier), self.loads[tier]
         if all(n is None for n in loads):
-            raise NoInstance(f"every {tier} instance is down")
+            if not fail_open:
+                raise NoInstance(f"every {tier} instance is down")
+            loads = list(load.active)
         if prefixes is None:
             return load.advance(pick_least_loaded(loads, load.cursor))
         slack = self.config.prefix_slack

@@ -1,4 +1,7 @@
-"""Which instances are up: every instance's /health, polled every `interval_s`.
+"""Which instances are up: every instance's /ping, polled every `interval_s`.
+
+SGLang's /ping is a flag check (healthy or not); its /health runs a generation and waits a
+second, too heavy to poll every instance every few seconds.
 
 An instance is down after `failures` failed checks in a row (or at once when a request finds it
 unreachable) and up again after one good check; pickers skip down instances, so new requests
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 import aiohttp
 
 logger = logging.getLogger(__name__)
+CHECK_TIMEOUT_S = 3.0  # a busy 2-core machine may take a while to answer
 
 
 @dataclass
@@ -54,12 +58,12 @@ class Health:
 
     async def check(self, session: aiohttp.ClientSession, tier: str, i: int) -> None:
         url = self.tiers[tier][i].url
-        timeout = aiohttp.ClientTimeout(total=max(1.0, self.interval_s))
+        timeout = aiohttp.ClientTimeout(total=max(CHECK_TIMEOUT_S, self.interval_s))
         try:
-            async with session.get(f"{url}/health", timeout=timeout) as resp:
-                ok, error = resp.status == 200, f"/health answered {resp.status}"
+            async with session.get(f"{url}/ping", timeout=timeout) as resp:
+                ok, error = resp.status == 200, f"/ping answered {resp.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
-            ok, error = False, f"/health failed: {err!r}"
+            ok, error = False, f"/ping failed: {err!r}"
         self.mark(tier, i, ok, None if ok else error)
 
     async def loop(self, session: aiohttp.ClientSession) -> None:

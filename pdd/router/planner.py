@@ -50,7 +50,7 @@ def plan(ctx: RouterContext, body: dict[str, Any], requested: str | None,
     cfg = ctx.config
     ids = prompt_ids(body)
     p_prefix = None if ids is None else [ix.cached_prefix(ids) for ix in ctx.prefill_index]
-    prefill = ctx.pick("prefill", p_prefix)
+    prefill = ctx.pick("prefill", p_prefix, fail_open=True)
     md_prefix = None
     if ids is not None:
         md_prefix = [ctx.caches.cached_prefix(t.control_addr, ids) for t in cfg.main]
