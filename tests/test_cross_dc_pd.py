@@ -6,7 +6,6 @@ router, in the root namespace, reaches both over unshaped management links).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from pdd.launch.testbed import Testbed
 from pdd.launch.wan import LinkParams
 from pdd.models.kv import kv_bytes_per_token
 from tests.conftest import serving
+from tests.marks import needs_root
 from tests.test_pd_same_dc import greedy, random_ids
 
 RATE_MBIT = 100.0
@@ -28,9 +28,7 @@ SLOW_MBIT = 4.0
 LONG_PROMPT = 3000
 RECOVERY_TIMEOUT_S = 120.0
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0, reason="the testbed needs root (network namespaces, veth and TUN devices)"
-)
+pytestmark = needs_root
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ enough to flip one.
 
 from __future__ import annotations
 
-import os
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -28,14 +27,13 @@ from pdd.launch.servers import SGLangServer
 from pdd.launch.testbed import Testbed
 from pdd.launch.wan import LinkParams
 from pdd.models.kv import kv_bytes_per_token
+from tests.marks import needs_root
 
 VOCAB = 1024
 MAX_NEW = 48  # long enough that MD always takes over (then it keeps prompt and answer)
 TOLERANCE = 0.05
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0, reason="the testbed needs root (network namespaces, veth and TUN devices)"
-)
+pytestmark = needs_root
 
 
 @dataclass

@@ -6,7 +6,6 @@ Every path must produce a colocated server's greedy tokens, streamed or not.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +22,7 @@ from pdd.launch.router import RouterService
 from pdd.launch.servers import SGLangServer
 from pdd.launch.testbed import Testbed
 from pdd.launch.wan import LinkParams
+from tests.marks import needs_root
 from tests.test_pd_same_dc import random_ids
 
 RATE_MBIT = 100.0
@@ -34,9 +34,7 @@ MAX_NEW = 48
 LONG_NEW = 200
 RELAY_PACE = ("--relay-pace-ms", "30")
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0, reason="the testbed needs root (network namespaces, veth and TUN devices)"
-)
+pytestmark = needs_root
 
 
 @dataclass

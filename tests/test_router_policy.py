@@ -10,7 +10,6 @@ RLD's tokens are paced at 30 ms each, so its speed is the same on every machine.
 from __future__ import annotations
 
 import json
-import os
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -25,14 +24,13 @@ from pdd.launch.router import RouterService
 from pdd.launch.servers import SGLangServer
 from pdd.launch.testbed import Testbed
 from pdd.launch.wan import LinkParams
+from tests.marks import needs_root
 from tests.test_pd_same_dc import random_ids
 
 HEALTH_S = 1.0
 LONG = 300  # output tokens: 9 s of RLD at 30 ms each, far longer than any transfer here
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0, reason="the testbed needs root (network namespaces, veth and TUN devices)"
-)
+pytestmark = needs_root
 
 
 @dataclass
