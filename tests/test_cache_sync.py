@@ -242,3 +242,20 @@ def test_router_view_goes_cold_when_md_is_silent() -> None:
     assert caches.cached_prefix(MD, list(range(40))) == 0 and not caches.status()[MD]["fresh"]
     caches.on_sync(CacheSync("tcp://elsewhere:1", "e", 1, 4, True, b"", b""))
     assert caches.unknown == 1
+
+
+def test_unreachable_and_surplus_subscribers_are_dropped() -> None:
+    clock = Clock()
+    sent: list[str] = []
+    rep = CacheReporter(B, lambda addr, msg: 0 if addr.endswith(":1") else sent.append(addr) or 9,
+                        now=clock)  # fmt: skip
+    rep.on_sync_request(SyncRequest("tcp://gone:1", MD, "none", 0))
+    for i in range(40):
+        rep.on_sync_request(SyncRequest(f"tcp://r{i}:2", MD, "none", 0))
+    assert len(rep.subscribers) == reporter_module.MAX_SUBSCRIBERS
+    assert "tcp://gone:1" not in rep.subscribers and "tcp://r39:2" in rep.subscribers
+    rep.subscribers["tcp://gone:1"] = (MD, clock())
+    rep.stored(list(range(8)), 0)
+    clock.t += 1
+    rep.flush()
+    assert "tcp://gone:1" not in rep.subscribers  # its delta was dropped: unsubscribed

@@ -18,7 +18,8 @@ from pdd.cache.blocks import block_hashes, pack
 from pdd.control.messages import MAX_SYNC_HASHES, CacheSync, SyncRequest
 
 logger = logging.getLogger(__name__)
-Send = Callable[[str, CacheSync], object]
+Send = Callable[[str, CacheSync], int]  # bytes queued, 0 when dropped
+MAX_SUBSCRIBERS = 32  # routers told at once; more (or a flood of fake ones) evict the oldest
 
 
 @dataclass
@@ -96,8 +97,12 @@ class CacheReporter:
         self.pending_clear = False
         for msg in self._deltas(clear, added, removed):
             self.stats.deltas += 1
-            for addr, (name, _) in self.subscribers.items():
-                self.send(addr, replace(msg, name=name))
+            for addr, (name, _) in list(self.subscribers.items()):
+                if not self.send(addr, replace(msg, name=name)):
+                    # Dropped (router gone or not reading): it resubscribes with a stale seq
+                    # and gets a snapshot, instead of being fed into a full queue meanwhile.
+                    del self.subscribers[addr]
+                    logger.info("PDD cache sync: router %s not reachable; unsubscribed", addr)
 
     def _deltas(self, clear: bool, added: list[int], removed: list[int]) -> Iterator[CacheSync]:
         """One message per MAX_SYNC_HASHES hashes of each kind, each its own seq."""
@@ -113,7 +118,10 @@ class CacheReporter:
         """(Re)subscribes msg.reply_to; a snapshot if its view is stale, else a heartbeat."""
         # Pending deltas go out first (a new subscriber's snapshot already includes them).
         self.flush(force=True)
+        self.subscribers.pop(msg.reply_to, None)  # dicts keep order: most recent last
         self.subscribers[msg.reply_to] = (msg.name, self.now())
+        while len(self.subscribers) > MAX_SUBSCRIBERS:
+            del self.subscribers[next(iter(self.subscribers))]
         if msg.epoch == self.epoch and msg.seq == self.seq:
             self.stats.heartbeats += 1
             beat = CacheSync(msg.name, self.epoch, self.seq, self.block, False, b"", b"")
