@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
             pdd = PDDDeployment.create(args.model, args.out / name.replace(" ", "_"),
                                        tb.placement("a"), tb.placement("b"), main_args=pool,
                                        prefill_args=pool, decode_cache=decode_cache,
-                                       router_args=("--path", "pdd"))  # fmt: skip
+                                       path="pdd")  # fmt: skip
             try:
                 print(f"starting P + RLD (A), MD (B), router (A): {name}", flush=True)
                 pdd.up()

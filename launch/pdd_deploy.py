@@ -34,6 +34,7 @@ class PDDDeployment:
         router_args: tuple[str, ...] = (),
         decode_cache: bool = True,
         prefill_args: tuple[str, ...] = (),
+        path: str | None = None,
     ) -> PDDDeployment:
         """`a` and `b` place the two datacenters (e.g. `Testbed.placement("a")`). With
         `decode_cache`, MD keeps a radix tree of the KV it holds (SGLang's decode radix cache),
@@ -51,7 +52,7 @@ class PDDDeployment:
                         *main_args],
         )  # fmt: skip
         router = RouterService("router", free_port(), run_dir, [prefill], [relay], [main], a,
-                               extra_args=list(router_args))  # fmt: skip
+                               path=path, extra_args=list(router_args))  # fmt: skip
         return cls(prefill, relay, main, router)
 
     @property

@@ -67,7 +67,7 @@ def setup(wide_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     run_dir = tmp_path_factory.mktemp("decode_cache")
     colocated = SGLangServer("colocated", wide_model, free_port(), run_dir)
     pdd = PDDDeployment.create(wide_model, run_dir, tb.placement("a"), tb.placement("b"),
-                               router_args=("--path", "pdd"))  # fmt: skip
+                               path="pdd")  # fmt: skip
     colocated.start()
     try:
         print(f"start-up seconds: {pdd.up()}")

@@ -62,14 +62,15 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     colocated = SGLangServer("colocated", tiny_model, free_port(), run_dir)
     pdd = PDDDeployment.create(
         tiny_model, run_dir, tb.placement("a"), tb.placement("b"),
-        router_args=("--path", "pdd", "--handoff-mode", "extend", *RELAY_PACE),
+        path="pdd", router_args=("--handoff-mode", "extend", *RELAY_PACE),
     )  # fmt: skip
     catchup = RouterService(
         "router-catchup", free_port(), run_dir, [pdd.prefill], [pdd.relay], [pdd.main],
         tb.placement("a"),
         # MD is fed only once RLD has streamed 40 tokens, so Catch-Up always has work; after 4
         # chunks the rest goes in the final handoff, long before RLD could finish.
-        extra_args=["--path", "pdd", "--handoff-mode", "catchup", "--catchup-chunk", "16",
+        path="pdd",
+        extra_args=["--handoff-mode", "catchup", "--catchup-chunk", "16",
                     "--catchup-threshold", "8", "--catchup-max-chunks", "4",
                     "--md-feed-after-tokens", "40", *RELAY_PACE],
     )  # fmt: skip

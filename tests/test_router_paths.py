@@ -67,16 +67,18 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     d = Deployment(
         colocated, prefill, relay, main,
         router=RouterService("router", free_port(), run_dir, main=[main], **tiers,
-                             extra_args=["--path", "pdd", "--handoff-mode", "extend", *RELAY_PACE]),
+                             path="pdd", extra_args=["--handoff-mode", "extend", *RELAY_PACE]),
         catchup=RouterService(
             "router_catchup", free_port(), run_dir, main=[main], **tiers,
-            extra_args=["--path", "pdd", "--handoff-mode", "catchup", "--catchup-threshold", "8",
+            path="pdd",
+            extra_args=["--handoff-mode", "catchup", "--catchup-threshold", "8",
                         "--catchup-chunk", "16", "--md-feed-after-tokens", "40", *RELAY_PACE],
         ),
         no_main=RouterService("router_no_main", free_port(), run_dir, main=[ghost], **tiers,
-                              extra_args=["--path", "pdd", "--ready-timeout", "20"]),
+                              path="pdd", extra_args=["--ready-timeout", "20"]),
         slow_main=RouterService("router_slow_main", free_port(), run_dir, main=[main], **tiers,
-                                extra_args=["--path", "pdd", "--md-feed-after-tokens", "100000",
+                                path="pdd",
+                                extra_args=["--md-feed-after-tokens", "100000",
                                             "--ready-timeout", "1"]),
     )  # fmt: skip
     try:

@@ -29,14 +29,11 @@ from pdd.launch import netns
 from pdd.launch.testbed import RUN_ROOT, Testbed, daemon_pids
 from pdd.launch.testbed import main as cli_main
 from pdd.launch.wan import LinkModel, LinkParams
+from tests.marks import needs_root
 
 RATE_MBIT = 200.0
 DELAY_MS = 20.0
 CLI = [sys.executable, "-m", "pdd.launch.testbed"]
-
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0, reason="the testbed needs root (network namespaces, veth and TUN devices)"
-)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 HASH_BYTES = 8
 SEED = b"pdd-block-v1"
@@ -48,3 +48,32 @@ def unpack(data: bytes) -> list[int]:
     if len(data) % HASH_BYTES:
         raise ValueError(f"hash bytes must be a multiple of {HASH_BYTES}, got {len(data)}")
     return array("Q", data).tolist()
+
+
+class PromptHashes:
+    """A prompt's block hashes, computed once per block size however many caches look it up
+    (every P's index, every MD's mirror) on the request's way through the router."""
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        self.tokens = tokens
+        self._by_block: dict[int, list[int]] = {}
+
+    def of(self, block: int) -> list[int]:
+        hashes = self._by_block.get(block)
+        if hashes is None:
+            hashes = self._by_block[block] = block_hashes(self.tokens, block)
+        return hashes
+
+
+def as_hashes(prompt: Sequence[int] | PromptHashes) -> PromptHashes:
+    return prompt if isinstance(prompt, PromptHashes) else PromptHashes(prompt)
+
+
+def held_prefix(prompt: Sequence[int] | PromptHashes, block: int, held: Container[int]) -> int:
+    """Tokens of the prompt's leading blocks that are all in `held`."""
+    n = 0
+    for h in as_hashes(prompt).of(block):
+        if h not in held:
+            break
+        n += 1
+    return n * block

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pdd.cache.blocks import block_hashes, unpack
+from pdd.cache.blocks import PromptHashes, held_prefix, unpack
 from pdd.control.messages import CacheSync
 
 
@@ -63,16 +63,11 @@ class CacheMirror:
         self.stale = True
         return False
 
-    def cached_prefix(self, tokens: Sequence[int], namespace: str | None = None) -> int:
+    def cached_prefix(self, prompt: Sequence[int] | PromptHashes) -> int:
         """How many leading tokens MD holds, at block granularity (0 while stale)."""
         if self.stale or not self.hashes or not self.block:
             return 0
-        held = 0
-        for h in block_hashes(tokens, self.block, namespace=namespace):
-            if h not in self.hashes:
-                break
-            held += self.block
-        return held
+        return held_prefix(prompt, self.block, self.hashes)
 
     @property
     def tokens(self) -> int:

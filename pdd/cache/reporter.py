@@ -57,17 +57,21 @@ class CacheReporter:
 
     def stored(self, path: Sequence[int], start: int, namespace: str | None = None) -> None:
         """Tokens path[start:] are now held (path[:start] already was)."""
-        for h in block_hashes(path, self.block, start_block=start // self.block,
-                              namespace=namespace):  # fmt: skip
-            self.held.add(h)
-            self.pending[h] = True
+        self._change(path, start, namespace, held=True)
 
     def removed(self, path: Sequence[int], start: int, namespace: str | None = None) -> None:
         """Tokens path[start:] are gone: every block ending inside them is no longer held."""
+        self._change(path, start, namespace, held=False)
+
+    def _change(self, path: Sequence[int], start: int, namespace: str | None, held: bool) -> None:
+        # The blocks that end inside path[start:]: those the node's tokens complete.
         for h in block_hashes(path, self.block, start_block=start // self.block,
                               namespace=namespace):  # fmt: skip
-            self.held.discard(h)
-            self.pending[h] = False
+            if held:
+                self.held.add(h)
+            else:
+                self.held.discard(h)
+            self.pending[h] = held
 
     def cleared(self) -> None:
         self.held.clear()

@@ -30,7 +30,7 @@ class GenerateRequest:
     path: str | None  # the request's own pdd_path
 
 
-def _is_token(t: object) -> bool:
+def is_token(t: object) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
 
@@ -51,7 +51,7 @@ def parse_generate(body: object) -> GenerateRequest:
         ids = body["input_ids"]
         if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
             raise BadRequest("batch requests are not supported: send one prompt per request")
-        if not isinstance(ids, list) or not ids or not all(_is_token(t) for t in ids):
+        if not isinstance(ids, list) or not ids or not all(is_token(t) for t in ids):
             raise BadRequest("input_ids must be a non-empty list of non-negative integers")
     params = body.get("sampling_params")
     if params is not None:

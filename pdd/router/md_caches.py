@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pdd.cache.blocks import PromptHashes
 from pdd.cache.mirror import CacheMirror
 from pdd.control.messages import CacheSync, Message, SyncRequest
 
@@ -61,9 +62,9 @@ class MdCaches:
         silent = last is None or self.now() - last > SILENT_INTERVALS * self.interval_s
         return not mirror.stale and not silent
 
-    def cached_prefix(self, name: str, tokens: Sequence[int]) -> int:
-        """MD `name`'s cached prefix of `tokens` (block granularity); 0 if its view is not fresh."""
-        return self.mirrors[name].cached_prefix(tokens) if self.fresh(name) else 0
+    def cached_prefix(self, name: str, prompt: Sequence[int] | PromptHashes) -> int:
+        """MD `name`'s cached prefix of the prompt (block granularity); 0 if its view is stale."""
+        return self.mirrors[name].cached_prefix(prompt) if self.fresh(name) else 0
 
     def status(self) -> dict[str, dict[str, Any]]:
         out = {}

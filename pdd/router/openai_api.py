@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pdd.router.body import PATH_FIELD, BadRequest, GenerateRequest, parse_generate
+from pdd.router.body import PATH_FIELD, BadRequest, GenerateRequest, is_token, parse_generate
 from pdd.router.tokenizer import TokenizerError
 
 CHAT = "chat"
@@ -60,7 +60,7 @@ def _is_number(v: object) -> bool:
 
 
 def _token_list(v: object) -> bool:
-    return isinstance(v, list) and all(isinstance(t, int) and _is_int(t) and t >= 0 for t in v)
+    return isinstance(v, list) and all(is_token(t) for t in v)
 
 
 # OpenAI fields that would change the answer's shape or meaning and that the router does not

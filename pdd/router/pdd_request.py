@@ -21,7 +21,7 @@ from pdd.control.messages import Ack, Cancel, Chunk, Error, Handoff, Ready, rout
 from pdd.policy.handoff import Step, choose_mode, handoff_tokens, next_step
 from pdd.policy.path import LABELS
 from pdd.router.context import RouterContext
-from pdd.router.planner import Plan, prompt_ids
+from pdd.router.planner import Plan
 from pdd.router.stitch import Kind, Phase, Stitcher
 from pdd.router.upstream import UpstreamError, abort_request, post_generate, stream_generate
 
@@ -152,10 +152,6 @@ class PddRequest:
 
     # --- set-up ------------------------------------------------------------------------------
 
-    @property
-    def prompt_ids(self) -> list[int] | None:
-        return prompt_ids(self.body)
-
     def _unreachable(self, tier: str, err: UpstreamError) -> None:
         """A refused connection marks the instance down now, not at the next health check."""
         if err.status == 503 and tier in self.held:
@@ -195,8 +191,8 @@ class PddRequest:
         self.ctx.subscribe(self.rid, self.events)
         p = self._acquire("prefill", self.plan.prefill)
         self.meta.instances["prefill"] = self.cfg.prefill[p].url
-        if self.prompt_ids is not None:
-            self.ctx.prefill_index[p].add(self.prompt_ids)
+        if self.plan.hashes is not None:
+            self.ctx.prefill_index[p].add(self.plan.hashes)
         if self.path in ("pdd", "relay"):
             self._acquire("relay", self.plan.relay)
             self.meta.instances["relay"] = self.relay_url
@@ -339,8 +335,8 @@ class PddRequest:
             return self._fail(f"prefill failed: {event.error.reason}", event.error.status)
         self._mark("prefill_done")
         self.meta.p_cached_tokens = event.cached_tokens
-        if event.cached_tokens is not None and self.prompt_ids is not None:
-            self._count_hit("P", event.cached_tokens, len(self.prompt_ids))
+        if event.cached_tokens is not None and self.plan.hashes is not None:
+            self._count_hit("P", event.cached_tokens, len(self.plan.hashes.tokens))
         self._maybe_feed_main()
         return []
 

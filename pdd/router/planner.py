@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdd.cache.blocks import PromptHashes
 from pdd.policy.path import PathChoice, Signals, choose_path
 from pdd.router.context import NoInstance, RouterContext
 
@@ -23,6 +24,7 @@ class Plan:
     relay: int | None
     main: int | None
     md_predicted: int | None  # MD's cached prefix of the prompt, as the router sees it
+    hashes: PromptHashes | None  # the prompt's block hashes (None: a text prompt)
 
 
 def prompt_ids(body: dict[str, Any]) -> list[int] | None:
@@ -49,11 +51,12 @@ def plan(ctx: RouterContext, body: dict[str, Any], requested: str | None,
          blockers: list[str]) -> Plan:  # fmt: skip
     cfg = ctx.config
     ids = prompt_ids(body)
-    p_prefix = None if ids is None else [ix.cached_prefix(ids) for ix in ctx.prefill_index]
+    hashes = None if ids is None else PromptHashes(ids)
+    p_prefix = None if hashes is None else [ix.cached_prefix(hashes) for ix in ctx.prefill_index]
     prefill = ctx.pick("prefill", p_prefix, fail_open=True)
     md_prefix = None
-    if ids is not None:
-        md_prefix = [ctx.caches.cached_prefix(t.control_addr, ids) for t in cfg.main]
+    if hashes is not None:
+        md_prefix = [ctx.caches.cached_prefix(t.control_addr, hashes) for t in cfg.main]
     main = _try_pick(ctx, "main", md_prefix)
     relay = _try_pick(ctx, "relay")
     if main is None and relay is None:
@@ -63,12 +66,13 @@ def plan(ctx: RouterContext, body: dict[str, Any], requested: str | None,
     transfer = None
     if main is not None and ids is not None:
         transfer = ctx.wan[main].transfer_s(prompt - (predicted or 0))
+    max_new = max_new_tokens(body)
     signals = Signals(
         prompt_tokens=prompt,
-        max_new_tokens=max_new_tokens(body),
+        max_new_tokens=max_new,
         md_cached_tokens=predicted,
         transfer_s=transfer,
-        relay_decode_s=ctx.relay_speed.decode_s(max_new_tokens(body)),
+        relay_decode_s=ctx.relay_speed.decode_s(max_new),
         relay_load=None if relay is None else ctx.loads["relay"].active[relay],
         md_available=main is not None,
     )
@@ -87,4 +91,5 @@ def plan(ctx: RouterContext, body: dict[str, Any], requested: str | None,
         relay if choice.path in ("pdd", "relay") else None,
         main if choice.path in ("pdd", "main") else None,
         predicted,
+        hashes,
     )

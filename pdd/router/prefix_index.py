@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from pdd.cache.blocks import block_hashes
+from pdd.cache.blocks import PromptHashes, as_hashes, held_prefix
 
 BLOCK = 16
 
@@ -17,16 +17,11 @@ class PrefixIndex:
         self.capacity = capacity_blocks
         self.blocks: OrderedDict[int, None] = OrderedDict()
 
-    def cached_prefix(self, tokens: Sequence[int]) -> int:
-        held = 0
-        for h in block_hashes(tokens, BLOCK):
-            if h not in self.blocks:
-                break
-            held += BLOCK
-        return held
+    def cached_prefix(self, prompt: Sequence[int] | PromptHashes) -> int:
+        return held_prefix(prompt, BLOCK, self.blocks)
 
-    def add(self, tokens: Sequence[int]) -> None:
-        for h in block_hashes(tokens, BLOCK):
+    def add(self, prompt: Sequence[int] | PromptHashes) -> None:
+        for h in as_hashes(prompt).of(BLOCK):
             self.blocks[h] = None
             self.blocks.move_to_end(h)
         while len(self.blocks) > self.capacity:
