@@ -4,9 +4,18 @@ kernels/, eval/ and launch/ are top-level folders in the repository but are inst
 pdd.kernels, pdd.eval and pdd.launch so they never claim generic top-level names.
 """
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 FOLDERS = {"pdd.kernels": "kernels", "pdd.eval": "eval", "pdd.launch": "launch"}
+
+
+def packages() -> list[str]:
+    """pdd's packages and those of each top-level folder, under their installed names."""
+    found = find_packages(include=["pdd", "pdd.*"])
+    for name, folder in FOLDERS.items():
+        found += [name] + [f"{name}.{sub}" for sub in find_packages(folder)]
+    return found
+
 
 # The same pins as requirements/cpu.txt for the packages pdd itself imports.
 COMMON = [
@@ -22,7 +31,7 @@ setup(
     version="0.1.0",
     description="Cross-datacenter heterogeneous prefill-decode disaggregation for SGLang",
     python_requires=">=3.10",
-    packages=["pdd", "pdd.control", "pdd.models", "pdd.policy", "pdd.router", "pdd.srt", *FOLDERS],
+    packages=packages(),
     package_dir={"pdd": "pdd", **FOLDERS},
     install_requires=COMMON,
     extras_require={

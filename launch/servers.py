@@ -71,6 +71,7 @@ class SGLangServer(HttpService):
     bootstrap_port: int | None = None
     transfer_backend: str = "mooncake_tcp"
     extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # added to the server's environment
     process: ManagedProcess | None = None
 
     def argv(self) -> list[str]:
@@ -96,7 +97,7 @@ class SGLangServer(HttpService):
     def start(self) -> None:
         # Mooncake advertises SGLANG_HOST_IP to its peers; without it SGLang guesses from the
         # NICs, which may not be the address this server was asked to serve on.
-        self.launch(self.argv(), {**device_env(), "SGLANG_HOST_IP": self.host})
+        self.launch(self.argv(), {**device_env(), "SGLANG_HOST_IP": self.host, **self.env})
 
 
 @dataclass

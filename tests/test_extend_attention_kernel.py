@@ -29,6 +29,7 @@ if __name__ == "__main__":
 import pytest
 import torch
 
+from pdd.kernels.paged_batch import new_slots, random_paged_batch
 from pdd.kernels.reference import extend_attention_reference
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -64,8 +65,6 @@ CASES = [
 
 
 def make_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
-    """Ragged batch over a shuffled pool; req_to_token rows are scattered and out of order."""
-
     def draw(lo: int, hi: int) -> int:
         return int(torch.randint(lo, hi + 1, (1,), generator=gen))
 
@@ -76,52 +75,17 @@ def make_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
         extend_lens = [draw(1, 80) for _ in range(batch)]
     else:
         prefix_lens, extend_lens = case.prefix_lens, case.extend_lens
-    batch = len(prefix_lens)
-    dtype = getattr(torch, case.dtype)
-    hkv, d = case.num_kv_heads, case.head_dim
-    total = sum(extend_lens)
-    used = sum(prefix_lens) + total
-    slots = used + 64  # spare slots that must stay untouched
-    max_context = max(p + e for p, e in zip(prefix_lens, extend_lens, strict=True)) + 7
-    rows = torch.randperm(batch + 3, generator=gen)[:batch]
-    # Unused entries point past the pool, so reading one would not go unnoticed.
-    req_to_token = torch.full(
-        (batch + 3, max_context), slots, dtype=getattr(torch, case.index_dtype)
+    return random_paged_batch(
+        prefix_lens,
+        extend_lens,
+        case.num_kv_heads,
+        group,
+        case.head_dim,
+        getattr(torch, case.dtype),
+        gen,
+        getattr(torch, case.index_dtype),
+        case.sm_scale,
     )
-    perm = torch.randperm(slots, generator=gen)
-    offset = 0
-    for row, p, e in zip(rows.tolist(), prefix_lens, extend_lens, strict=True):
-        req_to_token[row, : p + e] = perm[offset : offset + p + e].to(req_to_token.dtype)
-        offset += p + e
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(dtype)
-
-    return {
-        "q": randn(total, hkv * group, d),
-        "k_new": randn(total, hkv, d),
-        "v_new": randn(total, hkv, d),
-        "k_pool": randn(slots, hkv, d),
-        "v_pool": randn(slots, hkv, d),
-        "req_to_token": req_to_token,
-        "req_pool_idx": rows,
-        "prefix_lens": torch.tensor(prefix_lens),
-        "extend_lens": torch.tensor(extend_lens),
-        "sm_scale": case.sm_scale,
-    }
-
-
-def new_slots(inputs: dict[str, Any]) -> torch.Tensor:
-    chunks = [
-        inputs["req_to_token"][row, p : p + e].to(torch.int64)
-        for row, p, e in zip(
-            inputs["req_pool_idx"].tolist(),
-            inputs["prefix_lens"].tolist(),
-            inputs["extend_lens"].tolist(),
-            strict=True,
-        )
-    ]
-    return torch.cat(chunks)
 
 
 def run_case(case: Case, seed: int) -> dict[str, Any]:
@@ -253,6 +217,35 @@ def test_reference_matches_sdpa_on_contiguous_slots() -> None:
         out, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"seed {seed}: {m}"
     )
     assert torch.equal(k_pool, k_all) and torch.equal(v_pool, v_all), f"seed {seed}"
+
+
+def test_benchmark_smoke_agrees_with_sglang_and_the_reference(tmp_path: Path) -> None:
+    """The GPU benchmark's own plumbing, in the interpreter: pdd's kernel and SGLang's Triton
+    extend attention on the same paged batches (prefix 0 included) agree with each other and
+    with the reference, and the table, JSON and PNG come out."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               SGLANG_USE_CPU_ENGINE="1")  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdd.eval.bench_extend_kernel", "--smoke", "--out", str(tmp_path)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    data = json.loads((tmp_path / "extend_kernel.json").read_text())
+    assert [(r["batch"], r["extend"], r["prefix"]) for r in data["rows"]] == [
+        (1, 1, 0), (3, 7, 33), (2, 40, 5)
+    ]  # fmt: skip
+    assert all(r["agrees"] and r["max_abs_diff"] <= 1e-4 for r in data["rows"]), data["rows"]
+    assert (tmp_path / "extend_kernel.png").stat().st_size > 0
+    assert proc.stdout.count(" ok") == 3, proc.stdout
+
+
+def test_benchmark_without_a_gpu_says_so() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdd.eval.bench_extend_kernel"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr, proc.stderr[-2000:]
 
 
 if __name__ == "__main__":

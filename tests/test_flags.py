@@ -78,3 +78,22 @@ def test_an_empty_secret_file_is_an_error(tmp_path: Path) -> None:
     path.write_text("\n")
     with pytest.raises(ValueError, match="is empty"):
         PddConfig(secret_file=str(path)).secret()
+
+
+def test_the_extend_kernel_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = ("--pdd-role", "main", "--disaggregation-mode", "decode", "--pdd-control-port", "1")
+    assert config_from_args(parse(*base)).extend_kernel == "auto"
+    assert config_from_args(parse(*base, "--pdd-extend-kernel", "sglang")).extend_kernel == "sglang"
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        parse(*base, "--pdd-extend-kernel", "cuda")
+    forced = parse(*base, "--pdd-extend-kernel", "triton")
+    forced.device = "cpu"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU, or TRITON_INTERPRET=1"):
+        config_from_args(forced)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    config = config_from_args(forced)
+    assert config.extend_kernel == "triton"
+    config.to_env()
+    assert PddConfig.from_env().extend_kernel == "triton"
+    PddConfig(role=None).to_env()

@@ -11,7 +11,8 @@ import random
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,18 +103,25 @@ class Deployment:
         return self.mirror.cached_prefix(ids)
 
 
-@pytest.fixture(scope="module")
-def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    run_dir = tmp_path_factory.mktemp("main_decode")
-    prefill = SGLangServer("prefill", tiny_model, free_port(), run_dir, mode="prefill",
-                           bootstrap_port=free_port())  # fmt: skip
+@contextmanager
+def started(
+    model: Path,
+    run_dir: Path,
+    args: Sequence[str] = (),
+    md_args: Sequence[str] = (),
+    md_env: dict[str, str] | None = None,
+) -> Iterator[Deployment]:
+    """P, MD and a colocated server, all with `args`; MD also with `md_args` and `md_env`."""
+    prefill = SGLangServer("prefill", model, free_port(), run_dir, mode="prefill",
+                           bootstrap_port=free_port(), extra_args=[*args])  # fmt: skip
     main = SGLangServer(
-        "main", tiny_model, free_port(), run_dir, mode="decode",
-        extra_args=["--pdd-role", "main", "--pdd-control-port", str(free_port()),
+        "main", model, free_port(), run_dir, mode="decode",
+        extra_args=[*args, "--pdd-role", "main", "--pdd-control-port", str(free_port()),
                     "--pdd-park-timeout", "20", "--disaggregation-decode-enable-radix-cache",
-                    "--max-total-tokens", str(MD_POOL)],
+                    "--max-total-tokens", str(MD_POOL), *md_args],
+        env=md_env or {},
     )  # fmt: skip
-    colocated = SGLangServer("colocated", tiny_model, free_port(), run_dir)
+    colocated = SGLangServer("colocated", model, free_port(), run_dir, extra_args=[*args])
     servers = [prefill, main, colocated]
     control = ControlSocket()
     reply_to = control.bind(f"tcp://127.0.0.1:{free_port()}")
@@ -126,6 +134,12 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     finally:
         control.close()
         stop_groups([s.process.pgid for s in servers if s.process is not None])
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    with started(tiny_model, tmp_path_factory.mktemp("main_decode")) as dep:
+        yield dep
 
 
 class Parked:
@@ -190,6 +204,18 @@ def test_extend_handoff_continues_like_colocated(deployment: Deployment, k: int)
     assert parked.ready.wan_kv_bytes == (300 - cached) * 512  # tiny: 512 bytes of KV per token
     deployment.send(Handoff(rid=parked.rid, start=0, tokens=tuple(ref[:k])))
     assert parked.output()["output_ids"] == ref
+
+
+def test_on_a_cpu_handoff_extends_use_sglangs_attention(deployment: Deployment) -> None:
+    """`--pdd-extend-kernel auto` (the default) keeps SGLang's attention where there is no GPU."""
+    ids = random_ids(64, seed=3)
+    ref = reference(deployment, ids)
+    parked = Parked(deployment, ids)
+    deployment.send(Handoff(rid=parked.rid, start=0, tokens=tuple(ref[:5])))
+    assert parked.output()["output_ids"] == ref
+    log = (deployment.main.log_dir / "main.log").read_text()
+    assert "handoff extends use SGLang's attention: the tensors are not on a CUDA device" in log
+    assert "handoff extends use the Triton extend kernel" not in log
 
 
 def test_catch_up_chunks_then_handoff(deployment: Deployment) -> None:

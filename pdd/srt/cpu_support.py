@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -27,6 +28,11 @@ def has_gpu() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
+
+
+def triton_interpreted() -> bool:
+    """Triton's CPU interpreter is on (TRITON_INTERPRET=1): Triton kernels run on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class CpuKernelFinder(importlib.abc.MetaPathFinder):

@@ -17,6 +17,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from pdd.control.messages import MAX_BLOCK
 from pdd.control.secret import ENV_SECRET, read_secret
 from pdd.srt.cpu_disagg import adjust_cpu_args
+from pdd.srt.cpu_support import has_gpu, triton_interpreted
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,10 @@ ENV_CONTROL_PORT = "PDD_CONTROL_PORT"
 ENV_PARK_TIMEOUT = "PDD_PARK_TIMEOUT_S"
 ENV_SECRET_FILE = "PDD_CONTROL_SECRET_FILE"
 ENV_CACHE_BLOCK = "PDD_CACHE_BLOCK"
+ENV_EXTEND_KERNEL = "PDD_EXTEND_KERNEL"
 ENV_TREE_CORE = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
+# MD's handoff-extend attention (pdd.srt.handoff_attention); the first is the default.
+EXTEND_KERNELS = ("auto", "triton", "sglang")
 DEFAULT_PARK_TIMEOUT_S = 120.0
 DEFAULT_CACHE_BLOCK = 16
 
@@ -42,6 +46,7 @@ class PddConfig:
     park_timeout_s: float = DEFAULT_PARK_TIMEOUT_S
     secret_file: str | None = None
     cache_block: int = DEFAULT_CACHE_BLOCK
+    extend_kernel: str = EXTEND_KERNELS[0]
 
     @classmethod
     def from_env(cls) -> PddConfig:
@@ -54,6 +59,7 @@ class PddConfig:
             park_timeout_s=float(env.get(ENV_PARK_TIMEOUT) or DEFAULT_PARK_TIMEOUT_S),
             secret_file=env.get(ENV_SECRET_FILE) or None,
             cache_block=int(env.get(ENV_CACHE_BLOCK) or DEFAULT_CACHE_BLOCK),
+            extend_kernel=env.get(ENV_EXTEND_KERNEL) or EXTEND_KERNELS[0],
         )
 
     def to_env(self) -> None:
@@ -64,6 +70,7 @@ class PddConfig:
             ENV_PARK_TIMEOUT: str(self.park_timeout_s),
             ENV_SECRET_FILE: self.secret_file,
             ENV_CACHE_BLOCK: str(self.cache_block),
+            ENV_EXTEND_KERNEL: self.extend_kernel,
         }
         for key, value in values.items():
             if value is None:
@@ -117,6 +124,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="MainDecode: tokens per block when MD tells routers what its radix cache holds; "
         "smaller is more precise, larger is more compact (default: %(default)s).",
     )
+    group.add_argument(
+        "--pdd-extend-kernel",
+        choices=EXTEND_KERNELS,
+        default=EXTEND_KERNELS[0],
+        help="MainDecode: attention of the handoff extend. auto: pdd's Triton kernel on GPUs, "
+        "SGLang's attention backend elsewhere; triton: always the kernel (on a CPU only with "
+        "TRITON_INTERPRET=1); sglang: always SGLang's backend (default: %(default)s).",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> PddConfig:
@@ -143,6 +158,11 @@ def config_from_args(args: argparse.Namespace) -> PddConfig:
     cache_block = getattr(args, "pdd_cache_block", DEFAULT_CACHE_BLOCK)
     if not 1 <= cache_block <= MAX_BLOCK:
         raise SystemExit(f"error: --pdd-cache-block must be in 1-{MAX_BLOCK}")
+    extend_kernel = getattr(args, "pdd_extend_kernel", EXTEND_KERNELS[0])
+    if extend_kernel == "triton" and not _triton_can_run(getattr(args, "device", None)):
+        raise SystemExit(
+            "error: --pdd-extend-kernel triton needs a CUDA GPU, or TRITON_INTERPRET=1 on a CPU"
+        )
     return PddConfig(
         role=role,
         control_host=getattr(args, "pdd_control_host", PddConfig.control_host),
@@ -150,7 +170,12 @@ def config_from_args(args: argparse.Namespace) -> PddConfig:
         park_timeout_s=park_timeout,
         secret_file=secret_file,
         cache_block=cache_block,
+        extend_kernel=extend_kernel,
     )
+
+
+def _triton_can_run(device: str | None) -> bool:
+    return triton_interpreted() or (device != "cpu" and has_gpu())
 
 
 def adjust_role_args(args: argparse.Namespace) -> None:

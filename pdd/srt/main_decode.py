@@ -47,6 +47,7 @@ from pdd.control.messages import (
 )
 from pdd.srt.cache_events import install
 from pdd.srt.flags import PddConfig
+from pdd.srt.handoff_attention import HandoffAttention
 from pdd.srt.idle import waiter
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,8 @@ class MainDecode:
         self.stats_logged = Stats()
         self.stats_logged_at = 0.0
         self.kv_bytes_per_token = _kv_bytes_per_token(scheduler)
+        backend = scheduler.model_worker.model_runner.attn_backend
+        self.attention = HandoffAttention(backend, config.extend_kernel)
         self.control = ControlSocket(secret=config.secret())
         addr = f"tcp://{config.control_host}:{config.control_port}"
         self.control.bind(addr)
@@ -176,9 +179,10 @@ class MainDecode:
     def _log_stats(self) -> None:
         now = time.monotonic()
         if now - self.stats_logged_at >= STATS_LOG_S and self.stats != self.stats_logged:
-            logger.info("PDD MainDecode: %s, parked now %d, cache sync %s, %d blocks held",
-                        self.stats, len(self.parked), self.reporter.stats,
-                        len(self.reporter.held))  # fmt: skip
+            logger.info("PDD MainDecode: %s, parked now %d, cache sync %s, %d blocks held, "
+                        "extend attention %s", self.stats, len(self.parked),
+                        self.reporter.stats, len(self.reporter.held),
+                        self.attention.stats)  # fmt: skip
             self.stats_logged, self.stats_logged_at = replace(self.stats), now
 
     def _check(self, msg: Message) -> Parked | None:
@@ -273,7 +277,7 @@ class MainDecode:
         )
         batch.prepare_for_extend()
         resolve_forward_inputs(batch, s.future_map)
-        with torch.no_grad():
+        with torch.no_grad(), self.attention.active():
             s.model_worker.forward_batch_generation(batch)
         for (parked, upto, _), (cached, computed) in zip(todo, accounting, strict=True):
             parked.req.cached_tokens, parked.req.already_computed = cached, computed
