@@ -1,0 +1,461 @@
+"""`python -m pdd.eval sim | plan | repro`: the cluster simulator from the command line.
+
+    python -m pdd.eval sim --requests 400 --rate 4 --out /tmp/sim
+    python -m pdd.eval sim --trace trace.jsonl --kinds cache,pdd --md 4x8B --json
+    python -m pdd.eval plan --p-chips A,B --md-chips A,B --budget 90
+    python -m pdd.eval repro --out /tmp/repro
+
+Deployments are written NxKC: N instances of K chips of type C (chips: A, B), e.g. 5x7A.
+`sim` prints one row per deployment kind (same-dc, naive, cache, pdd); `plan` ranks counts of
+P, RLD and MD by BCR (SLA throughput / hardware cost); `repro` reruns the paper's numbers
+(a: bandwidth feasibility, b: bathtub, c: cost table, d: handoff microbenchmark).
+Workloads: a trace file (pdd.eval trace), the agentic generator (pdd.eval.workload, or a
+built-in stand-in when that module is missing), or fixed requests (--workload fixed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from pdd.eval.sim.cluster import (
+    KINDS,
+    ClusterConfig,
+    SimRequest,
+    SimResult,
+    Sla,
+    Tier,
+    agentic_requests,
+    as_sim_request,
+    deployment,
+    fixed_requests,
+    rescale,
+    simulate,
+)
+from pdd.eval.sim.hardware import CHIPS, LINKS, MODELS
+from pdd.policy.handoff import MODES, HandoffPolicy
+
+COMMANDS = ("sim", "plan", "repro")
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_tier(spec: str, max_batch: int = 128) -> Tier:
+    """NxKC -> Tier: N instances of K chips of type C (e.g. 5x7A)."""
+    m = re.fullmatch(r"(\d+)x(\d+)([A-Za-z][\w-]*)", spec.strip())
+    if not m or m.group(3) not in CHIPS:
+        raise argparse.ArgumentTypeError(f"expected NxKC with C in {sorted(CHIPS)}, got {spec!r}")
+    return Tier(CHIPS[m.group(3)], int(m.group(1)), int(m.group(2)), max_batch)
+
+
+def _counts(spec: str) -> list[int]:
+    """ "2-8" or "0,1,2" -> a list of counts."""
+    out: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _chips(spec: str) -> list[Any]:
+    try:
+        return [CHIPS[c.strip()] for c in spec.split(",") if c.strip()]
+    except KeyError as err:
+        raise argparse.ArgumentTypeError(f"unknown chip {err}; known: {sorted(CHIPS)}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared options
+
+
+def _add_workload(p: argparse.ArgumentParser, requests: int, rate: float) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--trace", type=Path, help="a trace file (JSONL, pdd.eval trace)")
+    g.add_argument("--workload", choices=("agentic", "fixed"), default="agentic")
+    g.add_argument("--requests", type=int, default=requests)
+    g.add_argument("--rate", type=float, default=rate, help="requests/s (default %(default)s)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--mean-hit", type=float, default=0.9, help="agentic: mean prefix hit")
+    g.add_argument("--prompt", type=int, default=63_000, help="fixed: prompt tokens")
+    g.add_argument("--hit", type=float, default=0.9, help="fixed: prefix hit of each request")
+    g.add_argument("--output", type=int, default=1000, help="fixed: output tokens")
+
+
+def _add_cluster(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--model", choices=sorted(MODELS), default="moe-1t")
+    g.add_argument("--p", type=parse_tier, default=None, help="P tier (default 5x7A)")
+    g.add_argument("--rld", type=parse_tier, default=None, help="RLD tier (default 1x8A)")
+    g.add_argument("--md", type=parse_tier, default=None, help="MD tier (default 4x8B)")
+    g.add_argument("--base-p", type=parse_tier, default=None, help="same-dc P (default 5x8A)")
+    g.add_argument("--base-d", type=parse_tier, default=None, help="same-dc D (default 6x8A)")
+    g.add_argument("--max-batch", type=int, default=128, help="decode slots per instance")
+    g.add_argument("--link", choices=sorted(LINKS), default="wan")
+    g.add_argument("--gbit", type=float, help="override the link's line rate")
+    g.add_argument("--rtt-ms", type=float, help="override the link's RTT")
+    g.add_argument("--jitter-ms", type=float, help="override the link's mean one-way jitter")
+    g.add_argument("--tcp-window-mb", type=float, help="override the per-flow TCP window")
+    g.add_argument("--path", choices=("auto", "pdd", "relay", "main"), default="auto")
+    g.add_argument("--handoff", choices=MODES, default="auto")
+    g.add_argument("--hot-set-tokens", type=int, help="reused prefix tokens (MD cache pressure)")
+    g.add_argument("--wan-cost", type=float, default=0.33, help="the WAN line, chip-A units")
+    s = p.add_argument_group("SLA")
+    s.add_argument("--ttft-sla", type=float, default=10.0, help="seconds (default %(default)s)")
+    s.add_argument("--tpot-sla", type=float, default=0.06, help="seconds (default %(default)s)")
+    s.add_argument("--quantile", type=float, default=0.99, help="checked percentile, 0-1")
+
+
+def _sla(a: argparse.Namespace) -> Sla:
+    return Sla(a.ttft_sla, a.tpot_sla, a.quantile)
+
+
+def _base_config(a: argparse.Namespace, kind: str) -> ClusterConfig:
+    link = LINKS[a.link]
+    over = {k: v for k, v in (("gbit_s", a.gbit), ("rtt_ms", a.rtt_ms), ("jitter_ms",
+            a.jitter_ms), ("tcp_window_mb", a.tcp_window_mb)) if v is not None}  # fmt: skip
+    cfg = deployment(
+        kind,
+        model=MODELS[a.model],
+        link=replace(link, **over),
+        path=a.path,
+        handoff=HandoffPolicy(mode=a.handoff),
+        hot_set_tokens=a.hot_set_tokens,
+        wan_cost=a.wan_cost,
+        seed=a.seed,
+    )
+    batch = a.max_batch
+
+    def tier(t: Tier | None, default: Tier) -> Tier:
+        return replace(t or default, max_batch=batch)
+
+    if kind == "same-dc":
+        return replace(cfg, prefill=tier(a.base_p, cfg.prefill), main=tier(a.base_d, cfg.main))
+    relay = cfg.relay if kind == "pdd" else None
+    return replace(
+        cfg,
+        prefill=tier(a.p, cfg.prefill),
+        main=tier(a.md, cfg.main),
+        relay=tier(a.rld, relay) if relay is not None else None,
+    )
+
+
+def _agentic(n: int, rate: float, seed: int, mean_hit: float) -> list[SimRequest]:
+    try:
+        from pdd.eval.workload import WorkloadConfig, generate
+    except ModuleNotFoundError:
+        return agentic_requests(n, rate, seed)
+    trace = generate(WorkloadConfig(seed=seed, requests=n, rate=rate, mean_hit=mean_hit))
+    return [as_sim_request(r) for r in trace]
+
+
+def _requests(a: argparse.Namespace) -> list[SimRequest]:
+    if a.trace:
+        from pdd.eval.trace import read_trace
+
+        reqs = [as_sim_request(r) for r in read_trace(a.trace)][: a.requests]
+        return rescale(reqs, a.rate) if a.rate else reqs
+    if a.workload == "fixed":
+        return fixed_requests(a.requests, a.rate, a.prompt, a.hit, a.output, a.seed)
+    return _agentic(a.requests, a.rate, a.seed, a.mean_hit)
+
+
+def _maker(a: argparse.Namespace, window_s: float) -> Callable[[float], list[SimRequest]]:
+    """Requests for a window of `window_s` seconds at any rate: one stream, rescaled."""
+    pool = _requests(a)
+
+    def make(rate: float) -> list[SimRequest]:
+        n = max(20, min(len(pool), round(rate * window_s)))
+        return rescale(pool[:n], rate)
+
+    return make
+
+
+def _write(out: Path, name: str, text: str) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    path.write_text(text)
+    return path
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# ----------------------------------------------------------------------------------------------
+# sim
+
+SIM_DOC = "Simulates the workload on each deployment kind and prints their metrics side by side."
+
+
+def _fmt_ms(x: float) -> str:
+    return f"{x * 1e3:.0f}"
+
+
+def sim_table(results: Sequence[SimResult], sla: Sla) -> str:
+    head = (
+        "| deployment | cost | offered/s | done/s | goodput/s | SLA met | TTFT p50/p90/p99 s | "
+        "TPOT p50/p99 ms | E2E p50 s | WAN Gbit/s | RLD tokens | paths |"
+    )
+    lines = [head, "|" + "---|" * 12]
+    for r in results:
+        s = r.summary
+        t, p = s.ttft_s, s.tpot_s
+        paths = ", ".join(f"{k} {v}" for k, v in sorted(s.paths.items()))
+        lines.append(
+            f"| {r.config.describe()} | {s.cost:.1f} | {s.offered_rps:.2f} | "
+            f"{s.throughput_rps:.2f} | "
+            f"{s.goodput_rps:.2f} | {s.sla_met:.0%} | {t['p50']:.2f}/{t['p90']:.2f}/"
+            f"{t['p99']:.2f} | {_fmt_ms(p['p50'])}/{_fmt_ms(p['p99'])} | {s.e2e_s['p50']:.1f} | "
+            f"{s.wan_gbit_s:.1f} | {s.rld_token_share:.1%} | {paths} |"
+        )
+    lines.append("")
+    lines.append(
+        f"done/s and goodput/s (requests with TTFT <= {sla.ttft_s:g} s and TPOT <= "
+        f"{sla.tpot_s * 1e3:g} ms) are per second of the whole run, drain included; "
+        "utilisation (time running forwards; WAN: average line load): "
+        + "; ".join(
+            f"{r.config.kind} "
+            + ", ".join(f"{k} {v:.0%}" for k, v in r.summary.utilisation.items())
+            for r in results
+        )
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _cdf_plot(results: Sequence[SimResult], path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results:
+        xs = sorted(x.ttft_s for x in r.results)
+        ys = [(i + 1) / len(xs) for i in range(len(xs))]
+        ax.plot(xs, ys, label=r.config.kind)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF per deployment")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _sim(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m pdd.eval sim", description=SIM_DOC)
+    _add_workload(p, requests=400, rate=4.0)
+    _add_cluster(p)
+    p.add_argument("--kinds", default=",".join(KINDS), help="comma list of " + ", ".join(KINDS))
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--out", type=Path, help="write sim.json, sim.md, ttft_cdf.png here")
+    p.add_argument("--per-request", action="store_true", help="JSON: include every request")
+    a = p.parse_args(argv)
+    kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
+    if bad := [k for k in kinds if k not in KINDS]:
+        p.error(f"unknown kinds {bad}; choose from {KINDS}")
+    sla = _sla(a)
+    reqs = _requests(a)
+    _log(f"sim: {len(reqs)} requests over {reqs[-1].arrival_s:.0f} s" if reqs else "sim: none")
+    results = []
+    for kind in kinds:
+        t = time.monotonic()
+        cfg = _base_config(a, kind)
+        res = simulate(reqs, cfg, sla)
+        results.append(res)
+        _log(f"sim: {cfg.describe()}: {res.events} events in {time.monotonic() - t:.1f} s")
+    table = sim_table(results, sla)
+    doc = {
+        "workload": {"requests": len(reqs), "source": str(a.trace or a.workload)},
+        "sla": sla.__dict__,
+        "runs": [r.to_dict(a.per_request) for r in results],
+    }
+    if a.json:
+        print(json.dumps(doc, indent=1, default=str))
+    else:
+        print(table, end="")
+    if a.out:
+        _write(a.out, "sim.json", json.dumps(doc, indent=1, default=str))
+        _write(a.out, "sim.md", table)
+        _cdf_plot(results, a.out / "ttft_cdf.png")
+        _log(f"sim: wrote {a.out}/sim.json, sim.md, ttft_cdf.png")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# plan
+
+PLAN_DOC = (
+    "Recommends counts of P, RLD and MD (and their chips) that maximise BCR = SLA throughput /\n"
+    "hardware cost: an analytic model screens every candidate, the simulator measures the best."
+)
+
+
+def plan_table(cands: Sequence[Any], rows: int) -> str:
+    lines = [
+        "| rank | deployment | cost | limit | analytic req/s | analytic BCR | "
+        "simulated SLA req/s | simulated BCR |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for i, c in enumerate(cands[:rows], 1):
+        d = c.to_dict()
+        sim = "-" if d["sla_rps"] is None else f"{d['sla_rps']:.2f}"
+        b = "-" if d["bcr"] is None else f"{d['bcr']:.3f}"
+        lines.append(
+            f"| {i} | {d['deployment']} | {d['cost']:.1f} | {d['bottleneck']} | "
+            f"{d['analytic_rps']:.2f} | {d['analytic_bcr']:.3f} | {sim} | {b} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _plan(argv: list[str]) -> int:
+    from pdd.eval.sim.planner import PlanSpace, plan
+
+    p = argparse.ArgumentParser(prog="python -m pdd.eval plan", description=PLAN_DOC)
+    _add_workload(p, requests=3000, rate=1.0)
+    _add_cluster(p)
+    g = p.add_argument_group("search")
+    g.add_argument("--p-counts", type=_counts, default=_counts("2-8"))
+    g.add_argument("--rld-counts", type=_counts, default=_counts("0-2"))
+    g.add_argument("--md-counts", type=_counts, default=_counts("1-6"))
+    g.add_argument("--p-chips", type=_chips, default=_chips("A"))
+    g.add_argument("--rld-chips", type=_chips, default=_chips("A"))
+    g.add_argument("--md-chips", type=_chips, default=_chips("B"))
+    g.add_argument("--chips-per-instance", type=int, default=8)
+    g.add_argument("--budget", type=float, help="hardware cost ceiling (chip-A units)")
+    g.add_argument("--max-chips", type=int)
+    g.add_argument("--top", type=int, default=4, help="candidates to simulate")
+    g.add_argument("--window", type=float, default=60.0, help="arrival window per run, s")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", type=Path, help="write plan.json and plan.md here")
+    a = p.parse_args(argv)
+    sla = _sla(a)
+    space = PlanSpace(
+        p_counts=a.p_counts, rld_counts=a.rld_counts, md_counts=a.md_counts,
+        p_chips=a.p_chips, rld_chips=a.rld_chips, md_chips=a.md_chips,
+        chips_per_instance=a.chips_per_instance, budget=a.budget, max_chips=a.max_chips,
+    )  # fmt: skip
+    t = time.monotonic()
+    make = _maker(a, a.window)
+    ranked = plan(_base_config(a, "pdd"), space, make, sla, top=a.top, progress=_log)
+    if not ranked:
+        print("no candidate fits the budget and the model's memory")
+        return 1
+    best = ranked[0]
+    verdict = (
+        f"Recommended: {best.config.describe()} (cost {best.cost:.1f}): "
+        + (
+            f"{best.rate:.2f} req/s within the SLA, BCR {best.bcr:.3f} req/s per cost unit"
+            if best.bcr is not None
+            else "no simulated candidate met the SLA; analytic ranking shown"
+        )
+        + f". SLA: P{round(sla.quantile * 100)} TTFT <= {sla.ttft_s:g} s, TPOT <= "
+        f"{sla.tpot_s * 1e3:g} ms. {len(ranked)} candidates, {time.monotonic() - t:.1f} s."
+    )
+    table = plan_table(ranked, 10) + "\n" + verdict + "\n"
+    doc = {"sla": sla.__dict__, "candidates": [c.to_dict() for c in ranked[:20]]}
+    if a.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        print(table, end="")
+    if a.out:
+        _write(a.out, "plan.json", json.dumps(doc, indent=1))
+        _write(a.out, "plan.md", table)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# repro
+
+REPRO_DOC = "Reruns the paper's numbers in the simulator; each table shows the paper beside ours."
+PARTS = {"a": "feasibility", "b": "bathtub", "c": "cost", "d": "handoff"}
+
+
+def _bathtub_plot(points: Sequence[dict[str, Any]], path: Path) -> None:
+    plt = _plt()
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
+    hits = [p["hit"] * 100 for p in points]
+    for key, label in (("pdd", "PDD"), ("cache", "cross-DC + decode cache"),
+                       ("pdd_ideal_wan", "PDD, ideal WAN")):  # fmt: skip
+        ax.plot(hits, [p[key] for p in points], marker="o", label=label)
+    ax.set_yscale("symlog", linthresh=1)
+    ax.set_ylabel("SLA throughput (req/s)")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    ax2.plot(hits, [p["pdd_vs_ideal"] for p in points], marker="o", color="C3")
+    ax2.set_ylabel("PDD / ideal-WAN PDD")
+    ax2.set_xlabel("prefix hit rate (%)")
+    ax2.grid(True, alpha=0.3)
+    fig.suptitle("Bathtub: SLA throughput vs hit rate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _repro(argv: list[str]) -> int:
+    from pdd.eval.sim import economics as ec
+
+    p = argparse.ArgumentParser(prog="python -m pdd.eval repro", description=REPRO_DOC)
+    p.add_argument("--only", default="abcd", help="which of a, b, c, d (default all)")
+    p.add_argument("--out", type=Path, help="write repro.md, repro.json, bathtub.png here")
+    p.add_argument("--jobs", type=int, help="processes for the bathtub (default: CPUs)")
+    p.add_argument("--quick", action="store_true", help="shorter runs, fewer bathtub points")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if bad := set(a.only) - set(PARTS):
+        p.error(f"--only takes letters from {''.join(PARTS)}, got {''.join(sorted(bad))}")
+    repros = []
+    t0 = time.monotonic()
+    for part in sorted(set(a.only)):
+        t = time.monotonic()
+        _log(f"repro: ({part}) {PARTS[part]} ...")
+        if part == "a":
+            repros.append(ec.feasibility())
+        elif part == "b":
+            hits = (0.0, 0.4, 0.7, 0.9, 1.0) if a.quick else ec.BATHTUB_HITS
+            repros.append(ec.bathtub(hits, window_s=30 if a.quick else 45, jobs=a.jobs,
+                                     progress=_log))  # fmt: skip
+        elif part == "c":
+            repros.append(ec.cost_table(window_s=60 if a.quick else 100, progress=_log))
+        else:
+            repros.append(ec.handoff_microbench(samples=500 if a.quick else 2000))
+        _log(f"repro: ({part}) done in {time.monotonic() - t:.1f} s")
+    text = "\n".join(r.markdown() for r in repros)
+    doc = [r.to_dict() for r in repros]
+    print(json.dumps(doc, indent=1, default=str) if a.json else text)
+    if a.out:
+        _write(a.out, "repro.md", text)
+        _write(a.out, "repro.json", json.dumps(doc, indent=1, default=str))
+        for r in repros:
+            if r.name == "bathtub":
+                _bathtub_plot(r.data["points"], a.out / "bathtub.png")
+        _log(f"repro: wrote {a.out} ({time.monotonic() - t0:.0f} s in all)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"error: unknown command {command!r}; expected one of {COMMANDS}", file=sys.stderr)
+        return 2
+    return {"sim": _sim, "plan": _plan, "repro": _repro}[command](rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,334 @@
+"""The cluster simulator, the economics reproductions and the planner on small cases whose
+answers are worked out by hand from the documented formulas (pure Python, no servers)."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+
+import pytest
+
+from pdd.eval.sim.cli import main as cli_main
+from pdd.eval.sim.cli import parse_tier
+from pdd.eval.sim.cluster import (
+    ClusterConfig,
+    SimRequest,
+    Simulation,
+    Sla,
+    Tier,
+    agentic_requests,
+    as_sim_request,
+    deployment,
+    fixed_requests,
+    percentile,
+    rescale,
+    simulate,
+)
+from pdd.eval.sim.costs import StepCosts, prediction_error
+from pdd.eval.sim.economics import bcr, change, handoff_microbench, kv_gbit_s
+from pdd.eval.sim.hardware import CHIP_A, CHIP_B, MOE_1T, Chip, Link, Model
+from pdd.eval.sim.planner import PlanSpace, analytic_capacity, plan, sla_capacity, window
+from pdd.policy.handoff import HandoffPolicy
+from pdd.policy.path import PathPolicy, Signals, auto_path, transfer_seconds
+
+# A dense toy: 2e9 FLOPs per token, 1 GB of weights, 1 MB of KV per token, no attention FLOPs.
+TOY = Model("toy", params_b=1.0, weight_bytes=1e9, kv_bytes_per_token=1e6)
+# 2e12 FLOP/s: 1 ms per token of compute; 1e12 B/s: the weights take 1 ms per step;
+# RDMA at 1e11 B/s: 10 ms per 1000 tokens of KV.
+COSTS = StepCosts(TOY, flops_s=2e12, bytes_s=1e12, send_bytes_s=1e11)
+LINK = Link(gbit_s=8, rtt_ms=20)  # 1e9 B/s, 10 ms one way, no jitter, no per-flow cap
+RDMA = 0.002  # ClusterConfig.rdma_latency_s
+
+
+def tier(n: int = 1, max_batch: int = 128) -> Tier:
+    return Tier(CHIP_A, n, 1, max_batch, costs=COSTS)
+
+
+def toy(kind: str, **kw: object) -> ClusterConfig:
+    base = ClusterConfig(kind, tier(), tier(), tier() if kind == "pdd" else None, TOY, LINK)
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def decode_s(context: int, steps: int) -> float:
+    """Hand-summed decode of one request: step k reads the weights (1e9 B) and the KV of
+    context + k tokens plus the new one (1e6 B each) at 1e12 B/s; compute (1 ms) is smaller."""
+    return sum((1e9 + (context + k + 1) * 1e6) / 1e12 for k in range(steps))
+
+
+# -- costs -----------------------------------------------------------------------------------
+
+
+def test_roofline_prefill_decode_and_extend() -> None:
+    # Prefill of 1000 tokens: compute 1000 x 1 ms = 1 s beats memory (1e9 + 1e9 B = 2 ms).
+    assert COSTS.prefill_s(1000) == pytest.approx(1.0)
+    # 100 cached tokens add no compute here (no attention FLOPs), only 0.1 ms of reads.
+    assert COSTS.prefill_s(500, 100) == pytest.approx(0.5)
+    # Decode of one request at 1000 tokens: memory (1e9 + 1001e6) / 1e12 = 2.001 ms.
+    assert COSTS.decode_step_s(1, 1000) == pytest.approx(2.001e-3)
+    # A batch of 4 at 1000 tokens each: weights once, 4004 tokens of KV: 5.004 ms.
+    assert COSTS.decode_step_s(4, 4000) == pytest.approx(5.004e-3)
+    # Extend of 3 tokens over 1000: compute 3 ms > memory (1e9 + 1003e6 B = 2.003 ms).
+    assert COSTS.extend_s(3, 1000) == pytest.approx(3e-3)
+
+
+def test_moe_weights_and_extend_is_nearly_free() -> None:
+    # One token reads 32/1000 of the weights; 1 - (1 - 0.032)^2 of them for two tokens.
+    assert MOE_1T.weights_read(1) == pytest.approx(0.55e12 * 0.032)
+    assert MOE_1T.weights_read(2) == pytest.approx(0.55e12 * (1 - 0.968**2))
+    md = StepCosts.of(CHIP_B, 8, MOE_1T)
+    alone = md.decode_step_s(64, 64 * 64_000)
+    with_extend = md.decode_step_s(64, 64 * 64_000, 100, 100 * 64_000 + 5050, 64_000)
+    # Memory-bound: 100 recomputed tokens add < 10% to one step (the experts they touch),
+    # where decoding them would take 100 steps.
+    assert alone < with_extend < 1.1 * alone
+
+
+def test_instance_memory_and_fit() -> None:
+    a = StepCosts.of(CHIP_A, 8, MOE_1T, kv_mem_fraction=1.0)
+    # 8 x 96 GB - 550 GB = 218 GB of KV at 4649 * 1024 / 100 bytes per token.
+    assert a.kv_capacity_tokens == int(218e9 / (4649 * 1024 / 100))
+    with pytest.raises(ValueError, match="does not fit"):
+        StepCosts.of(CHIP_A, 4, MOE_1T)
+
+
+def test_calibrate_reproduces_measurements_and_reports_error() -> None:
+    c = StepCosts.calibrate(TOY, prefill_s_per_token=0.004, decode_step_s=0.02,
+                            prefill_tokens=500, decode_batch=2, decode_context=300)  # fmt: skip
+    assert c.prefill_s(500) / 500 == pytest.approx(0.004)
+    assert c.decode_step_s(2, 600) == pytest.approx(0.02)
+    err = prediction_error({"ttft_s": 1.1, "tpot_s": 0.05, "extra": 9.0},
+                           {"ttft_s": 1.0, "tpot_s": 0.1, "e2e_s": 3.0})  # fmt: skip
+    assert err == pytest.approx({"ttft_s": 0.1, "tpot_s": -0.5})
+
+
+# -- links -----------------------------------------------------------------------------------
+
+
+def test_link_rates_and_cold_transfer() -> None:
+    # 4 MiB window over 25 ms: 167.8 MB/s per flow, below the 12.5 GB/s line.
+    wan = Link(gbit_s=100, rtt_ms=25, tcp_window_mb=4.0)
+    assert wan.flow_bytes_per_s == pytest.approx(4 * 2**20 / 0.025)
+    assert wan.bytes_per_s == pytest.approx(12.5e9)
+    # Slow start from 10 KB: 10 KB then 20 KB take one round trip each (20 ms), the last 40 KB
+    # fit the 40 KB window: 40 us on the wire, then one way (5 ms).
+    cold = Link(gbit_s=8, rtt_ms=10, init_window_kb=10)
+    assert cold.cold_transfer_s(70_000, random.Random(0)) == pytest.approx(0.02504)
+    jittery = Link(gbit_s=8, rtt_ms=10, jitter_ms=3.0)
+    samples = [jittery.one_way_s(random.Random(i)) for i in range(4000)]
+    assert min(samples) > 0.005
+    assert sum(samples) / len(samples) == pytest.approx(0.008, rel=0.08)  # 5 ms + 3 ms mean
+
+
+# -- the simulator ---------------------------------------------------------------------------
+
+
+def test_same_dc_one_request_by_hand() -> None:
+    res = simulate([SimRequest(0.0, 1000, 0, 11)], toy("same-dc")).results[0]
+    # TTFT = prefill (1 s) + RDMA (2 ms + 1e9 B / 1e11 B/s = 10 ms).
+    assert res.ttft_s == pytest.approx(1.0 + RDMA + 0.01)
+    # Ten decode steps from context 1000.
+    assert res.finish_s - res.first_token_s == pytest.approx(decode_s(1000, 10))
+    assert res.tpot_s == pytest.approx(decode_s(1000, 10) / 10)
+    assert res.tokens == {"P": 1, "RLD": 0, "MD": 10}
+    assert res.wan_bytes == 0 and res.rdma_bytes == 1e9
+
+
+def test_requests_queue_on_one_p() -> None:
+    # P starts on the first at once; two more arrive at 0.5 s while it is busy.
+    reqs = [SimRequest(0.0, 1000, 0, 2), SimRequest(0.5, 1000, 0, 2), SimRequest(0.5, 1000, 0, 2)]
+    ttft = [r.ttft_s for r in simulate(reqs, toy("same-dc", prefill_batch_tokens=1000)).results]
+    # One prompt per forward: they end at 1, 2 and 3 s, each + 12 ms of RDMA.
+    assert ttft == pytest.approx([1.012, 2.012 - 0.5, 3.012 - 0.5])
+    # Room for two in a forward: the waiting pair runs as one 2000-token forward, 1 -> 3 s.
+    ttft = [r.ttft_s for r in simulate(reqs, toy("same-dc", prefill_batch_tokens=4096)).results]
+    assert ttft == pytest.approx([1.012, 3.012 - 0.5, 3.012 - 0.5])
+
+
+def test_wan_transfer_and_fair_sharing() -> None:
+    # cache: 1000 uncached tokens = 1e9 B at 1e9 B/s = 1 s, + 10 ms one way for the KV and
+    # + 10 ms for MD's stream back to the user in datacenter A.
+    one = simulate([SimRequest(0.0, 1000, 0, 2)], toy("cache")).results[0]
+    assert one.ttft_s == pytest.approx(1.0 + 1.0 + 0.01 + 0.01)
+    assert one.wan_bytes == 1e9
+    # 90% cached on MD too: only 100 tokens cross (0.1 s); P computes 100 tokens (0.1 s).
+    hit = simulate([SimRequest(0.0, 1000, 900, 2)], toy("cache")).results[0]
+    assert hit.ttft_s == pytest.approx(0.1 + 0.1 + 0.02)
+    # Fair sharing: the first transfer (1e9 B) runs alone from 1 to 1.5 s (half done); the
+    # second (5e8 B, prefilled 1 -> 1.5 s) joins; at 5e8 B/s each, both end at 2.5 s.
+    reqs = [SimRequest(0.0, 1000, 0, 2), SimRequest(0.5, 500, 0, 2)]
+    pair = simulate(reqs, toy("cache")).results
+    assert [r.ttft_s for r in pair] == pytest.approx([2.52, 2.52 - 0.5])
+    # Naive PD ships the whole prompt even when P had it cached.
+    naive = simulate([SimRequest(0.0, 1000, 900, 2)], toy("naive")).results[0]
+    assert naive.wan_bytes == 1e9 and naive.md_cached_tokens == 0
+
+
+def test_per_flow_cap() -> None:
+    capped = replace(LINK, tcp_window_mb=1.0)  # 2^20 B / 20 ms = 52.4 MB/s per flow
+    res = simulate([SimRequest(0.0, 100, 0, 2)], toy("cache", link=capped)).results[0]
+    assert res.ttft_s == pytest.approx(0.1 + 1e8 / (2**20 / 0.02) + 0.02)
+
+
+def test_paths_follow_auto_path() -> None:
+    reqs = [
+        SimRequest(0.0, 1000, 990, 50),  # high hit: 10 tokens cross in 10 ms
+        SimRequest(100.0, 1000, 0, 1),  # long input, one output token: singular
+        SimRequest(200.0, 1000, 0, 2000),  # low hit, long answer: RLD hides the transfer
+    ]
+    results = simulate(reqs, toy("pdd")).results
+    assert [r.path for r in results] == ["main", "relay", "pdd"]
+    # The same decisions from auto_path itself, with the signals worked out by hand: transfer
+    # = suffix x 1e6 B / 1e9 B/s; RLD's time = its batch-1 step (1e9 B / 1e12 = 1 ms +
+    # 1 token's KV) x the output; RLD idle.
+    step = COSTS.decode_step_s(1, 0)
+    for r in reqs:
+        t = transfer_seconds(r.prompt_tokens - r.cached_tokens, 1e6, 1e9, 0.0)
+        s = Signals(r.prompt_tokens, r.output_tokens, r.cached_tokens, t,
+                    step * r.output_tokens, 0)  # fmt: skip
+        assert auto_path(s, PathPolicy()).path == results[reqs.index(r)].path
+    relay = results[1]
+    assert relay.wan_bytes == 0 and relay.tokens == {"P": 1, "RLD": 0, "MD": 0}
+    # A full RLD sends everything else to MD.
+    busy = simulate(
+        reqs[2:], toy("pdd", path_policy=PathPolicy(relay_max_load=0, relay_only_max_load=0))
+    )
+    assert busy.results[0].path == "main"
+
+
+def test_extend_handoff_and_rld_share_by_hand() -> None:
+    req = SimRequest(0.0, 1000, 0, 2000)
+    out = simulate([req], toy("pdd", handoff=HandoffPolicy(mode="extend")))
+    res = out.results[0]
+    assert res.path == "pdd" and res.handoff_mode == "extend"
+    # RLD starts after prefill + RDMA and streams until READY reaches the router: the KV
+    # lands at 1 + 1 + 0.01 s, MD parks it, READY takes 10 ms back.
+    start, ready = 1.0 + RDMA + 0.01, 2.02
+    t, steps = start, 0
+    while t + (1e9 + (1000 + steps + 1) * 1e6) / 1e12 <= ready + 1e-12:
+        t += (1e9 + (1000 + steps + 1) * 1e6) / 1e12
+        steps += 1
+    assert res.ttft_s == pytest.approx(start)
+    assert res.tokens == {"P": 1, "RLD": steps, "MD": 2000 - 1 - steps}
+    total = sum(res.tokens.values())
+    assert out.summary.rld_token_share == pytest.approx(steps / total)
+
+
+def test_catchup_handoff_sends_chunks() -> None:
+    policy = HandoffPolicy(mode="catchup", chunk=64, threshold=16)
+    res = simulate([SimRequest(0.0, 1000, 0, 2000)], toy("pdd", handoff=policy)).results[0]
+    assert res.handoff_mode == "catchup" and res.chunks >= 2
+    assert res.tokens["P"] == 1 and sum(res.tokens.values()) == 2000
+    assert res.tokens["RLD"] > 0 and res.tokens["MD"] > 0
+
+
+def test_relay_finishes_before_md() -> None:
+    # Forced P->RLD->MD with a 5-token answer: RLD is done long before the KV crosses.
+    res = simulate([SimRequest(0.0, 1000, 0, 5)], toy("pdd", path="pdd")).results[0]
+    assert res.path == "pdd" and res.tokens == {"P": 1, "RLD": 4, "MD": 0}
+    assert res.finish_s < 2.0 and res.wan_bytes == 1e9
+
+
+def test_md_cache_pressure() -> None:
+    small = replace(COSTS, kv_capacity_tokens=1000)
+    cfg = replace(toy("cache"), main=Tier(CHIP_A, 1, 1, costs=small), hot_set_tokens=4000)
+    sim = Simulation(cfg, [])
+    # 1000 free tokens x 1 MD / a 4000-token hot set: MD remembers a quarter of P's hit.
+    assert sim.md_cached(SimRequest(0.0, 1000, 800, 2), 0) == 200
+
+
+def test_determinism_and_summary() -> None:
+    reqs = agentic_requests(120, 3.0, seed=3)
+    a = simulate(reqs, deployment("pdd"), Sla())
+    b = simulate(reqs, deployment("pdd"), Sla())
+    assert [r.to_dict() for r in a.results] == [r.to_dict() for r in b.results]
+    c = simulate(reqs, deployment("pdd", seed=1), Sla())
+    assert [r.first_token_s for r in a.results] != [r.first_token_s for r in c.results]
+    s = a.summary
+    assert s.requests == 120 and sum(s.paths.values()) == 120
+    assert s.tokens["P"] == 120 and sum(s.tokens.values()) == sum(r.output_tokens for r in reqs)
+    assert s.ttft_s["p50"] <= s.ttft_s["p90"] <= s.ttft_s["p99"] <= s.ttft_s["max"]
+    good = sum(r.ttft_s <= 10 and r.tpot_s <= 0.06 for r in a.results)
+    assert s.sla_met == pytest.approx(good / 120)
+
+
+def test_request_helpers() -> None:
+    assert percentile([1, 2, 3, 4], 0.5) == 2.5 and math.isnan(percentile([], 0.5))
+    got = as_sim_request({"arrival": 1.5, "input_tokens": 10, "prefix_hit_tokens": 4,
+                          "max_new_tokens": 3})  # fmt: skip
+    assert got == SimRequest(1.5, 10, 4, 3)
+    reqs = fixed_requests(11, 2.0, 100, 0.25, 5)
+    assert {(r.prompt_tokens, r.cached_tokens) for r in reqs} == {(100, 25)}
+    fast = rescale(reqs, 4.0)  # ten gaps over 10 / 4 s
+    assert fast[-1].arrival_s == pytest.approx(2.5)
+
+
+# -- economics -------------------------------------------------------------------------------
+
+
+def test_economics_arithmetic() -> None:
+    # 100K tokens/s x 50 KB x 8 bit = 40 Gbit/s; a 90% decode-side hit leaves 4.
+    assert kv_gbit_s(1e5, 5e4) == pytest.approx(40.0)
+    assert kv_gbit_s(1e5, 5e4, 0.9) == pytest.approx(4.0)
+    assert bcr(10.0, 80.0) == pytest.approx(0.125)
+    assert change(12.78, 10.0) == pytest.approx(27.8)
+    # PDD: 35 + 8 chips A, 32 chips B at 1.25, the WAN line 0.33; baseline: 88 chips A.
+    assert deployment("pdd").cost == pytest.approx(35 + 8 + 32 * 1.25 + 0.33)
+    assert deployment("same-dc").cost == 88
+    assert deployment("pdd").chips() == {"A": 43, "B": 32}
+
+
+def test_handoff_microbench_shape() -> None:
+    rep = handoff_microbench(samples=300)
+    d = rep.data
+    assert d["ship_bytes"] == pytest.approx(100 * 4649 * 1024 / 100)
+    assert d["handoff_bytes"] < 2048  # token ids, not KV
+    # Jitter adds up over ship's round trips: a wider spread than recompute's.
+    assert d["ship"]["std"] > d["recompute"]["std"]
+    assert d["md_step_extend_s"] < 1.1 * d["md_step_s"]
+
+
+# -- capacity and planning -------------------------------------------------------------------
+
+
+def test_analytic_and_simulated_capacity() -> None:
+    cfg = toy("same-dc")
+    sample = fixed_requests(50, 1.0, 500, 0.0, 2)
+    sla = Sla(ttft_s=3.0, tpot_s=1.0)
+    # One P at 0.5 s per request: 2 req/s.
+    assert analytic_capacity(cfg, sample, sla)["P"] == pytest.approx(2.0)
+    make = window(lambda n, rate: fixed_requests(n, rate, 500, 0.0, 2), 150)
+    cap = sla_capacity(cfg, make, sla, guess=1.0)
+    assert 0.8 <= cap.rate <= 2.05
+    assert any(not ok for _, ok in cap.tried)  # it found the limit, not just a lower bound
+
+
+def test_planner_picks_the_obvious_best() -> None:
+    cheap = Chip("cheap", tflops=5, mem_gb=100, mem_bw_gbs=1000, interconnect_gbs=100, price=1)
+    dear = replace(cheap, name="dear", price=10)
+    base = ClusterConfig("cache", Tier(cheap, 1, 1), Tier(dear, 1, 1), None, TOY, LINK,
+                         mfu=0.4, overhead_s=0.0, wan_cost=0.0)  # fmt: skip
+    space = PlanSpace(p_counts=(1, 2), rld_counts=(0,), md_counts=(1,), chips_per_instance=1)
+    make = window(lambda n, rate: fixed_requests(n, rate, 100, 0.0, 2), 60)
+    ranked = plan(base, space, make, Sla(ttft_s=2.0, tpot_s=1.0), top=2)
+    # P-bound: a second P doubles the throughput for 1/11 more cost.
+    assert [c.config.prefill.instances for c in ranked] == [2, 1]
+    assert ranked[0].bcr is not None and ranked[1].bcr is not None
+    assert ranked[0].bcr > ranked[1].bcr
+    assert ranked[0].cost == 12 and ranked[1].cost == 11
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_tier("5x7A") == Tier(CHIP_A, 5, 7)
+    args = ["sim", "--workload", "fixed", "--requests", "30", "--rate", "2", "--prompt", "4000",
+            "--output", "20", "--kinds", "same-dc,pdd"]  # fmt: skip
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert "| same-dc: P 5x8A, D 6x8A |" in out and "| pdd: P 5x7A, MD 4x8B, RLD 1x8A |" in out
+    assert cli_main(["repro", "--only", "ad", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "> 180 Gbit/s" in out and "4649 KB" in out
+    assert cli_main(["nope"]) == 2
