@@ -38,7 +38,7 @@ setup(
         # Mooncake's CPU build (TCP only) and its CUDA build (RDMA + TCP).
         "cpu": ["mooncake-transfer-engine-non-cuda==0.3.13.post1"],
         "gpu": ["mooncake-transfer-engine==0.3.13.post1"],
-        "test": ["pytest==9.2.0", "requests==2.34.2"],
+        "test": ["pytest==9.2.0", "requests==2.34.2", "hypothesis==6.170.17"],
     },
     entry_points={"sglang.srt.plugins": ["pdd = pdd.srt.plugin:load"]},
 )

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -42,6 +43,7 @@ from pdd.launch.pdd_deploy import PDDDeployment
 from pdd.launch.process import exit_on_sigterm
 from pdd.launch.testbed import Testbed
 from pdd.launch.wan import LinkParams
+from pdd.models.kv import kv_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ DEPLOYMENTS = [
     Deployment("PDD", True, None),
 ]
 REQUEST_TIMEOUT_S = 600.0
+FLUSH_WAIT_S = 30.0
 
 
 def workload(args: argparse.Namespace) -> list[TraceRequest]:
@@ -72,9 +75,13 @@ def workload(args: argparse.Namespace) -> list[TraceRequest]:
 
 def flush(pdd: PDDDeployment) -> None:
     """Empties every server's radix cache (each deployment's pass starts cold)."""
-    for server in pdd.servers:
-        with urllib.request.urlopen(f"{server.url}/flush_cache", timeout=60) as resp:
-            resp.read()
+    for server in pdd.servers():
+        url = f"{server.url}/flush_cache?timeout={FLUSH_WAIT_S:g}"  # waits for idle first
+        try:
+            with urllib.request.urlopen(url, timeout=FLUSH_WAIT_S + 30) as resp:
+                resp.read()
+        except urllib.error.HTTPError as err:
+            raise RuntimeError(f"{server.name} did not flush its cache: {err.read()!r}") from err
 
 
 def run_pass(dep: Deployment, pdd: PDDDeployment, tb: Testbed, prompts: list[list[int]],
@@ -95,8 +102,8 @@ def run_pass(dep: Deployment, pdd: PDDDeployment, tb: Testbed, prompts: list[lis
         final = got.final
         meta = final["meta_info"].get("pdd") or {}
         outputs[i] = list(final["output_ids"])
-        return Record(len(prompts[i]), len(final["output_ids"]), got.ttft_s, got.total_s,
-                      meta.get("path"), meta.get("relay_tokens") or 0,
+        return Record(len(prompts[i]), req.cached_tokens, None, len(final["output_ids"]),
+                      got.ttft_s, got.total_s, meta.get("path"), meta.get("relay_tokens") or 0,
                       meta.get("wan_kv_bytes") or 0)  # fmt: skip
 
     flush(pdd)
@@ -109,9 +116,10 @@ def run_pass(dep: Deployment, pdd: PDDDeployment, tb: Testbed, prompts: list[lis
     run.wan_link_bytes = int(tb.wan.status()["counters"]["a_to_b"]["bytes"]) - before
     for res, req in zip(results, trace, strict=True):
         if res.ok:
-            run.records.append(res.value)
+            run.records.append(replace(res.value, start_s=res.start_s))
         else:
-            run.records.append(Record(req.prompt_tokens, error=res.error))
+            run.records.append(Record(req.prompt_tokens, req.cached_tokens, res.start_s,
+                                      error=res.error))  # fmt: skip
             print(f"[{dep.name}] request {req.id} FAILED: {res.error}", flush=True)
     return run, outputs
 
@@ -209,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     data = {
         "title": title,
         "args": {k: str(v) for k, v in vars(args).items()},
+        "link": {"rate_mbit": args.rate_mbit, "delay_ms": args.delay_ms},
+        "model": {"name": args.model.name, "kv_bytes_per_token": kv_bytes_per_token(args.model)},
         "trace_summary": hits,
         "summaries": summaries,
         "runs": {n: [asdict(r) for r in runs[n].records] for n in ordered},

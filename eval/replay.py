@@ -214,7 +214,8 @@ def replay(
     stop.set()
     if stopped:
         _wind_down(run, grace_s)
-    log(run.progress(total) + (" (stopped)" if stopped else ""))
+    if stopped or shown_done < total:  # the last progress line may already say it all
+        log(run.progress(total) + (" (stopped)" if stopped else ""))
     return run.results
 
 

@@ -14,6 +14,8 @@ class Record:
     """One request as a client saw it (times in seconds) and as the router reported it."""
 
     prompt_tokens: int
+    cached_tokens: int = 0  # the trace's: the prefix shared with earlier prompts
+    start_s: float | None = None  # sent, seconds after the run's start
     output_tokens: int = 0
     ttft_s: float | None = None
     e2e_s: float | None = None

@@ -214,14 +214,12 @@ def test_silent_subscribers_are_dropped() -> None:
     ],
 )
 def test_bad_cache_sync_is_rejected(body: dict, reason: str) -> None:
-    import msgpack
+    from tests.test_control_messages import pack
 
     good = {"name": MD, "epoch": "e1", "seq": 1, "block": 4, "cleared": False,
             "added": b"", "removed": b""}  # fmt: skip
-    data = msgpack.packb({"version": 1, "type": "cache_sync", "ts": 0, "body": {**good, **body}},
-                         use_bin_type=True)  # fmt: skip
     with pytest.raises(ControlError, match=reason):
-        decode(data)
+        decode(pack("cache_sync", {**good, **body}))
 
 
 def test_router_view_goes_cold_when_md_is_silent() -> None:

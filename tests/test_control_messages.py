@@ -21,6 +21,7 @@ from pdd.control.messages import (
     Error,
     Handoff,
     Message,
+    Origin,
     Ready,
     RouteHint,
     decode,
@@ -42,7 +43,8 @@ MESSAGES: list[Message] = [
 
 
 def pack(msg_type: str, body: object, version: object = PROTOCOL_VERSION, **extra: object) -> bytes:
-    envelope = {"version": version, "type": msg_type, "ts": time.time(), "body": body, **extra}
+    envelope = {"version": version, "type": msg_type, "ts": time.time(), "sender": "t", "n": 1,
+                "body": body, **extra}  # fmt: skip
     return msgpack.packb(envelope, use_bin_type=True)
 
 
@@ -100,7 +102,7 @@ GOOD_BODY = {"rid": "r1", "done": 3}
 @pytest.mark.parametrize(
     "data, reason",
     [
-        (pack("ack", GOOD_BODY, version=2), "unsupported protocol version"),
+        (pack("ack", GOOD_BODY, version=1), "unsupported protocol version"),
         (pack("ack", GOOD_BODY, version="1"), "unsupported protocol version"),
         (pack("ack", GOOD_BODY, version=True), "unsupported protocol version"),
         (pack("hello", GOOD_BODY), "unknown message type"),
@@ -136,10 +138,14 @@ GOOD_BODY = {"rid": "r1", "done": 3}
         (pack("cancel", {"rid": "r", "reason": 5}), "reason must be a string"),
         (pack("cancel", {"rid": "r", "reason": "x" * 1500}), "reason longer than"),
         (pack("cancel", {"rid": "r", "reason": "x" * 5000}), "max_str_len"),  # unpack limit
-        (msgpack.packb({"version": 1, "type": "ack", "ts": "now", "body": GOOD_BODY}), "ts"),
+        (pack("ack", GOOD_BODY, ts="now"), "ts must be a number"),
+        (pack("ack", GOOD_BODY, ts=float("nan")), "ts must be finite"),
+        (pack("ack", GOOD_BODY, sender=""), "sender must be a string"),
+        (pack("ack", GOOD_BODY, sender=7), "sender must be a string"),
+        (pack("ack", GOOD_BODY, n=0), "n must be in"),
+        (pack("ack", GOOD_BODY, n=True), "n must be an integer"),
         (msgpack.packb({1: 2}), "msgpack"),  # integer map keys
-        (msgpack.packb({"version": 1, "type": "ack", "ts": 0, "body": {"rid": b"r", "done": 1}},
-                       use_bin_type=True), "rid must be a string"),  # bytes where a str belongs
+        (pack("ack", {"rid": b"r", "done": 1}), "rid must be a string"),  # bytes, not a str
         (encode(Ack("r1", 5))[:-3], "msgpack"),  # truncated
         (b"\xc1", "msgpack"),  # a byte msgpack never uses
         (encode(Ack("r1", 5)) + b"\x00", "trailing bytes"),
@@ -284,6 +290,48 @@ def _drain(sock: object, want: int, timeout: float = 5.0) -> list:
         got += sock.recv_nowait()  # type: ignore[attr-defined]
         time.sleep(0.01)
     return got
+
+
+def test_replay_guard_rejects_repeats_reordering_and_stale_messages() -> None:
+    from pdd.control.replay import ReplayGuard
+
+    guard = ReplayGuard(window_s=60, max_senders=2)
+    now = 1_000_000.0
+    a, b, c = Origin("a", 1), Origin("b", 1), Origin("c", 1)
+    assert guard.check(a, now, now) is None
+    assert "replayed or out of order" in (guard.check(a, now, now) or "")  # the same again
+    assert guard.check(Origin("a", 5), now, now) is None  # gaps are fine (other receivers)
+    assert "out of order" in (guard.check(Origin("a", 4), now, now) or "")
+    assert "stale" in (guard.check(b, now - 61, now) or "")
+    assert "skewed clock" in (guard.check(b, now + 61, now) or "")
+    assert "outside" in (guard.check(b, float("nan"), now) or "")
+    assert guard.check(b, now - 59, now) is None
+    assert guard.check(c, now, now) is None  # a third sender: "a", least recently heard, goes
+    assert list(guard.last) == ["b", "c"]
+
+
+def test_channel_rejects_a_replayed_message() -> None:
+    zmq = pytest.importorskip("zmq")
+    from pdd.control.channel import ControlSocket
+
+    rx = ControlSocket(SECRET)
+    raw = zmq.Context.instance().socket(zmq.PUSH)
+    try:
+        addr = rx.bind("tcp://127.0.0.1:*")
+        raw.connect(addr)
+        captured = encode(Ack("r", 1), SECRET, Origin("eve", 7))
+        later = encode(Ack("r", 2), SECRET, Origin("eve", 8))
+        for data in (captured, later, captured, later):  # the last two: replays
+            raw.send(data)
+        assert _drain(rx, 2) == [Ack("r", 1), Ack("r", 2)]
+        deadline = time.monotonic() + 5
+        while rx.stats.replayed < 2 and time.monotonic() < deadline:
+            rx.recv_nowait()
+            time.sleep(0.01)
+        assert rx.stats.replayed == 2 and rx.stats.malformed == 2 and rx.stats.received == 2
+    finally:
+        raw.close(linger=0)
+        rx.close()
 
 
 def test_channel_delivers_and_drops_malformed() -> None:

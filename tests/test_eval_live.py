@@ -13,7 +13,7 @@ from tests.marks import needs_root
 @needs_root
 def test_a_short_live_run_reports_all_four_deployments(tiny_model: Path, tmp_path: Path) -> None:
     rc = main(["live", "--model", str(tiny_model), "--requests", "10", "--scale", "0.01",
-               "--max-new", "8", "--concurrency", "2", "--rate-mbit", "50",
+               "--max-new", "24", "--concurrency", "2", "--rate-mbit", "50",
                "--out", str(tmp_path)])  # fmt: skip
     data = json.loads((tmp_path / "live.json").read_text())
     s = data["summaries"]
@@ -29,11 +29,11 @@ def test_a_short_live_run_reports_all_four_deployments(tiny_model: Path, tmp_pat
     assert s["same-DC PD"]["wan_mb_per_request"] < 0.2 * naive, s
     assert s["cross-DC PD + decode cache"]["wan_mb_per_request"] < 0.8 * naive, s
     runs = data["runs"]
-    assert {r["path"] for r in runs["same-DC PD"]} == {"relay"}
-    assert {r["path"] for r in runs["naive cross-DC PD"]} == {"main"}
+    assert {r["path"] for r in runs["same-DC PD"]} == {"P->RLD"}
+    assert {r["path"] for r in runs["naive cross-DC PD"]} == {"P->MD"}
     assert all(r["relay_tokens"] == r["output_tokens"] for r in runs["same-DC PD"])
     assert s["same-DC PD"]["rld_share"] == 1.0 and s["naive cross-DC PD"]["rld_share"] == 0.0
-    assert {r["path"] for r in runs["PDD"]} <= {"relay", "main", "pdd"}
+    assert {r["path"] for r in runs["PDD"]} <= {"P->RLD", "P->MD", "P->RLD->MD"}
     for name in ("live.md", "live.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "| PDD |" in (tmp_path / "live.md").read_text()

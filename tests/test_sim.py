@@ -3,32 +3,30 @@ answers are worked out by hand from the documented formulas (pure Python, no ser
 
 from __future__ import annotations
 
-import math
+import json
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
+from pdd.eval.report import percentile
+from pdd.eval.sim.calibrate import calibrate
 from pdd.eval.sim.cli import main as cli_main
 from pdd.eval.sim.cli import parse_tier
-from pdd.eval.sim.cluster import (
-    ClusterConfig,
-    SimRequest,
-    Simulation,
-    Sla,
-    Tier,
-    agentic_requests,
-    as_sim_request,
-    deployment,
-    fixed_requests,
-    percentile,
-    rescale,
-    simulate,
-)
+from pdd.eval.sim.config import ClusterConfig, Sla, Tier, deployment
 from pdd.eval.sim.costs import StepCosts, prediction_error
 from pdd.eval.sim.economics import bcr, change, handoff_microbench, kv_gbit_s
 from pdd.eval.sim.hardware import CHIP_A, CHIP_B, MOE_1T, Chip, Link, Model
 from pdd.eval.sim.planner import PlanSpace, analytic_capacity, plan, sla_capacity, window
+from pdd.eval.sim.requests import (
+    SimRequest,
+    agentic_requests,
+    as_sim_request,
+    fixed_requests,
+    rescale,
+)
+from pdd.eval.sim.simulation import Simulation, simulate
 from pdd.policy.handoff import HandoffPolicy
 from pdd.policy.path import PathPolicy, Signals, auto_path, transfer_seconds
 
@@ -248,12 +246,14 @@ def test_determinism_and_summary() -> None:
     assert s.requests == 120 and sum(s.paths.values()) == 120
     assert s.tokens["P"] == 120 and sum(s.tokens.values()) == sum(r.output_tokens for r in reqs)
     assert s.ttft_s["p50"] <= s.ttft_s["p90"] <= s.ttft_s["p99"] <= s.ttft_s["max"]
+    # Percentiles are the live report's (nearest rank): a simulated request's own TTFT.
+    ttfts = [r.ttft_s for r in a.results]
+    assert s.ttft_s["p99"] == percentile(ttfts, 99) and s.ttft_s["p99"] in ttfts
     good = sum(r.ttft_s <= 10 and r.tpot_s <= 0.06 for r in a.results)
     assert s.sla_met == pytest.approx(good / 120)
 
 
 def test_request_helpers() -> None:
-    assert percentile([1, 2, 3, 4], 0.5) == 2.5 and math.isnan(percentile([], 0.5))
     got = as_sim_request({"arrival": 1.5, "input_tokens": 10, "prefix_hit_tokens": 4,
                           "max_new_tokens": 3})  # fmt: skip
     assert got == SimRequest(1.5, 10, 4, 3)
@@ -332,3 +332,57 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "> 180 Gbit/s" in out and "4649 KB" in out
     assert cli_main(["nope"]) == 2
+
+
+# -- calibration against a live run -----------------------------------------------------------
+
+
+def _live_record(i: int, prompt: int, cached: int, ttft: float, path: str) -> dict[str, object]:
+    out = 11
+    return {"prompt_tokens": prompt, "cached_tokens": cached, "start_s": 3.0 * i,
+            "output_tokens": out, "ttft_s": ttft, "e2e_s": ttft + 0.02 * (out - 1),
+            "path": path, "relay_tokens": out if path == "P->RLD" else 0,
+            "wan_kv_bytes": 0 if path == "P->RLD" else 1000 * prompt, "error": None}  # fmt: skip
+
+
+def _live_doc() -> dict[str, object]:
+    """Hand-made live.json: same-DC TTFT = 0.1 s + 1 ms per uncached token, TPOT 20 ms; naive
+    adds the whole prompt's KV at 1000 B/token over 8 Mbit/s (1 ms per token) and one RTT."""
+    shapes = [(200 + 37 * i, (i * 53) % 150) for i in range(12)]
+    same = [
+        _live_record(i, p, c, 0.1 + 0.001 * (p - c), "P->RLD") for i, (p, c) in enumerate(shapes)
+    ]
+    naive = [_live_record(i, p, c, 0.1 + 0.001 * (p - c) + 0.001 * p + 0.04, "P->MD")
+             for i, (p, c) in enumerate(shapes)]  # fmt: skip
+    return {
+        "link": {"rate_mbit": 8.0, "delay_ms": 20.0},
+        "model": {"name": "toy", "kv_bytes_per_token": 1000},
+        "args": {"concurrency": "1", "rate": "None", "ttft_sla": "3.0", "tpot_sla": "0.5"},
+        "summaries": {},
+        "runs": {"same-DC PD": same, "naive cross-DC PD": naive},
+    }
+
+
+def test_calibration_recovers_the_fit_and_predicts_ttft() -> None:
+    cal = calibrate(_live_doc())
+    assert cal.fit.prefill_s_per_token == pytest.approx(0.001, rel=0.01)
+    assert cal.fit.overhead_s == pytest.approx(0.1, rel=0.01)
+    assert cal.fit.decode_step_s == pytest.approx(0.02, rel=0.01)
+    rows = {(r.deployment, r.metric): r for r in cal.rows}
+    same = rows[("same-DC PD", "ttft_p50")]
+    assert same.predicted == pytest.approx(same.measured, rel=0.1)
+    # The WAN transfer of the whole prompt's KV is in the naive prediction.
+    naive = rows[("naive cross-DC PD", "ttft_p50")]
+    assert naive.predicted == pytest.approx(naive.measured, rel=0.1)
+    assert rows[("naive cross-DC PD", "kv_mb_per_request")].error == pytest.approx(0.0)
+    assert ("PDD", "ttft_p50") not in rows and cal.median_abs_error < 0.1
+
+
+def test_calibration_cli_writes_calib_md(tmp_path: Path) -> None:
+    live = tmp_path / "live.json"
+    live.write_text(json.dumps(_live_doc()))
+    assert cli_main(["sim", "--calibrate", str(live), "--out", str(tmp_path / "out")]) == 0
+    md = (tmp_path / "out" / "calib.md").read_text()
+    assert "| same-DC PD | ttft_p50 |" in md and "Median absolute relative error" in md
+    assert json.loads((tmp_path / "out" / "calib.json").read_text())["rows"]
+    assert cli_main(["sim", "--calibrate", str(tmp_path / "missing.json")]) == 1

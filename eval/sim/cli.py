@@ -2,6 +2,7 @@
 
     python -m pdd.eval sim --requests 400 --rate 4 --out /tmp/sim
     python -m pdd.eval sim --trace trace.jsonl --kinds cache,pdd --md 4x8B --json
+    python -m pdd.eval sim --calibrate runs/live/live.json --out /tmp/calib
     python -m pdd.eval plan --p-chips A,B --md-chips A,B --budget 90
     python -m pdd.eval repro --out /tmp/repro
 
@@ -25,21 +26,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pdd.eval.sim.cluster import (
-    KINDS,
-    ClusterConfig,
+from pdd.eval.sim.config import KINDS, ClusterConfig, Sla, Tier, deployment
+from pdd.eval.sim.hardware import CHIPS, LINKS, MODELS
+from pdd.eval.sim.requests import (
     SimRequest,
-    SimResult,
-    Sla,
-    Tier,
     agentic_requests,
     as_sim_request,
-    deployment,
     fixed_requests,
     rescale,
-    simulate,
 )
-from pdd.eval.sim.hardware import CHIPS, LINKS, MODELS
+from pdd.eval.sim.results import SimResult
+from pdd.eval.sim.simulation import simulate
 from pdd.policy.handoff import MODES, HandoffPolicy
 
 COMMANDS = ("sim", "plan", "repro")
@@ -262,7 +259,12 @@ def _sim(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--out", type=Path, help="write sim.json, sim.md, ttft_cdf.png here")
     p.add_argument("--per-request", action="store_true", help="JSON: include every request")
+    p.add_argument("--calibrate", type=Path, metavar="LIVE_JSON",
+                   help="fit to a live run (pdd.eval live's live.json), predict each of its "
+                   "deployments, print the errors; --out: write calib.json, calib.md")  # fmt: skip
     a = p.parse_args(argv)
+    if a.calibrate:
+        return _calibrate(a.calibrate, a.out)
     kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
     if bad := [k for k in kinds if k not in KINDS]:
         p.error(f"unknown kinds {bad}; choose from {KINDS}")
@@ -291,6 +293,22 @@ def _sim(argv: list[str]) -> int:
         _write(a.out, "sim.md", table)
         _cdf_plot(results, a.out / "ttft_cdf.png")
         _log(f"sim: wrote {a.out}/sim.json, sim.md, ttft_cdf.png")
+    return 0
+
+
+def _calibrate(live: Path, out: Path | None) -> int:
+    from pdd.eval.sim.calibrate import calibrate, load
+
+    try:
+        cal = calibrate(load(live))
+    except (OSError, ValueError, KeyError) as err:
+        print(f"error: cannot calibrate on {live}: {err!r}", file=sys.stderr)
+        return 1
+    print(cal.markdown(), end="")
+    if out:
+        _write(out, "calib.json", json.dumps(cal.to_dict(), indent=1))
+        _write(out, "calib.md", cal.markdown())
+        _log(f"sim: wrote {out}/calib.json, calib.md")
     return 0
 
 

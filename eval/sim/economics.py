@@ -21,14 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pdd.eval.sim.cluster import (
-    ClusterConfig,
-    Sla,
-    Tier,
-    deployment,
-    fixed_requests,
-    simulate,
-)
+from pdd.eval.sim.config import ClusterConfig, Sla, Tier, deployment
 from pdd.eval.sim.costs import StepCosts, prefill_pairs
 from pdd.eval.sim.hardware import CHIP_A, CHIP_B, LINKS, MOE_1T, WAN, Link, Model
 from pdd.eval.sim.planner import (
@@ -38,6 +31,8 @@ from pdd.eval.sim.planner import (
     sla_capacity,
     window,
 )
+from pdd.eval.sim.requests import fixed_requests
+from pdd.eval.sim.simulation import simulate
 
 Progress = Callable[[str], None]
 

@@ -18,18 +18,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pdd.eval.sim.cluster import (
-    ClusterConfig,
-    SimRequest,
-    Sla,
-    Summary,
-    Tier,
-    percentile,
-    prefill_job,
-    simulate,
-)
+from pdd.eval.report import percentile
+from pdd.eval.sim.config import ClusterConfig, Sla, Tier
 from pdd.eval.sim.costs import StepCosts
 from pdd.eval.sim.hardware import Chip
+from pdd.eval.sim.requests import SimRequest
+from pdd.eval.sim.results import Summary
+from pdd.eval.sim.simulation import simulate
+from pdd.eval.sim.tiers import prefill_job
 from pdd.policy.path import Signals, auto_path
 
 Progress = Callable[[str], None]
@@ -221,7 +217,7 @@ def analytic_capacity(
         else:
             wan_s = (r.prompt_tokens - hit(r)) * kvb / link.flow_bytes_per_s
             ttft.append(t + wan_s + 2 * link.mean_one_way_s())
-    bounds["ttft_zero_load"] = percentile(ttft, sla.quantile)
+    bounds["ttft_zero_load"] = percentile(ttft, sla.quantile * 100)
     rate = min(v for k, v in bounds.items() if k != "ttft_zero_load")
     bounds["capacity"] = 0.0 if bounds["ttft_zero_load"] > sla.ttft_s else QUEUEING * rate
     return bounds

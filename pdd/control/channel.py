@@ -10,6 +10,7 @@ asyncio one (the router).
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -20,9 +21,11 @@ from pdd.control.messages import (
     MAX_MESSAGE_BYTES,
     ControlError,
     Message,
-    decode,
+    Origin,
     encode,
+    open_envelope,
 )
+from pdd.control.replay import ReplayGuard
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +42,8 @@ LOG_EVERY = 1000
 class ChannelStats:
     received: int = 0
     received_bytes: int = 0
-    malformed: int = 0
+    malformed: int = 0  # every rejected message: bad bytes, bad tag, replayed, out of order
+    replayed: int = 0  # ... of which replayed, out of order or stale
     sent: int = 0
     sent_bytes: int = 0
     dropped: int = 0
@@ -57,19 +61,25 @@ class _Inbox:
     def __init__(self, secret: bytes | None, stats: ChannelStats) -> None:
         self.secret = secret
         self.stats = stats
+        self.guard = ReplayGuard()
 
     def accept(self, parts: list[bytes]) -> Received | None:
         if len(parts) != 1:
             self._reject(f"multipart message with {len(parts)} parts")
             return None
         try:
-            msg = decode(parts[0], self.secret)
+            env = open_envelope(parts[0], self.secret)
         except ControlError as err:
             self._reject(str(err))
             return None
+        problem = self.guard.check(env.origin, env.ts, time.time())
+        if problem is not None:
+            self.stats.replayed += 1
+            self._reject(problem)
+            return None
         self.stats.received += 1
         self.stats.received_bytes += len(parts[0])
-        return Received(msg, len(parts[0]))
+        return Received(env.msg, len(parts[0]))
 
     def _reject(self, reason: str) -> None:
         self.stats.malformed += 1
@@ -87,6 +97,7 @@ class _Peers:
         self.hwm = hwm
         self.stats = stats
         self.sockets: OrderedDict[str, zmq.Socket] = OrderedDict()
+        self.origins = Origin.new_sender()  # this socket's sender id and message numbers
 
     def _socket(self, addr: str) -> zmq.Socket:
         sock = self.sockets.get(addr)
@@ -112,7 +123,7 @@ class _Peers:
         """Bytes queued for `addr`, or 0 when dropped (logged): also for an invalid message, so
         a sender's bug costs one message, never the scheduler loop that sends it."""
         try:
-            data = encode(msg, self.secret)
+            data = encode(msg, self.secret, next(self.origins))
         except ControlError as err:
             self._drop(addr, msg, f"invalid message: {err}")
             return 0

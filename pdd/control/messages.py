@@ -4,25 +4,31 @@ Pure code (msgpack + hmac/hashlib only) so the router, the MainDecode plugin and
 without importing zmq or SGLang.
 
 Wire format: `payload` or `payload + tag`, where `payload` is a msgpack map
-`{"version": 1, "type": NAME, "ts": unix seconds, "body": {field: value}}` and `tag` is the
-32-byte HMAC-SHA256 of `payload`, present exactly when the sender has a secret. A receiver with
-a secret rejects untagged or badly tagged messages; a receiver without one rejects tagged ones
-(they show up as trailing bytes), so a secret configured on one side only fails loudly.
+`{"version": 2, "type": NAME, "ts": unix seconds, "sender": ID, "n": COUNT, "body": {...}}`
+and `tag` is the 32-byte HMAC-SHA256 of `payload`, present exactly when the sender has a secret.
+A receiver with a secret rejects untagged or badly tagged messages; a receiver without one
+rejects tagged ones (they show up as trailing bytes), so a secret configured on one side only
+fails loudly. `sender` (random per sending socket) and `n` (counting up from 1) let a receiver
+reject replayed and out-of-order messages (pdd.control.replay); under the HMAC they cannot be
+forged.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
+import math
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import urlsplit
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_TOKENS = 65536
 MAX_TOKEN_ID = 2**31  # exclusive
@@ -33,10 +39,12 @@ HASH_BYTES = 8
 MAX_SYNC_HASHES = 65536  # per CacheSync field: 512 KiB
 MAX_EPOCH_CHARS = 64
 MAX_BLOCK = 4096
+MAX_SENDER_CHARS = 32
 TAG_BYTES = hashlib.sha256().digest_size
 
 ROUTE_ACTION = "pdd.route"
 ROUTE_ACTION_VERSION = 1
+KV_HINTS_PROTOCOL_VERSION = 1  # of the kv_hints envelope the route hint travels in
 ROUTE_ROLES = ("prefill", "relay", "main")
 
 
@@ -139,7 +147,32 @@ _TYPES: dict[str, type[Message]] = {
     "cache_sync": CacheSync,
 }
 _NAMES: dict[type, str] = {cls: name for name, cls in _TYPES.items()}
-_ENVELOPE_KEYS = frozenset({"version", "type", "ts", "body"})
+_ENVELOPE_KEYS = frozenset({"version", "type", "ts", "sender", "n", "body"})
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Who sent a message and its number among that sender's messages (1, 2, ...)."""
+
+    sender: str
+    n: int
+
+    @classmethod
+    def new_sender(cls) -> Iterator[Origin]:
+        """Origins of a fresh sender: a random id, numbers counting up from 1."""
+        sender = uuid.uuid4().hex[:16]
+        return (cls(sender, n) for n in itertools.count(1))
+
+
+@dataclass(frozen=True)
+class Envelope:
+    msg: Message
+    origin: Origin
+    ts: float  # the sender's clock, unix seconds
+
+
+# Messages encoded without an explicit origin (tests, one-off tools) share this sender.
+_DEFAULT_ORIGINS = Origin.new_sender()
 
 
 # --- field validation ------------------------------------------------------------------------
@@ -267,18 +300,27 @@ def _tag(secret: bytes, payload: bytes) -> bytes:
     return hmac.new(secret, payload, hashlib.sha256).digest()
 
 
-def encode(msg: Message, secret: bytes | None = None) -> bytes:
+def encode(msg: Message, secret: bytes | None = None, origin: Origin | None = None) -> bytes:
     validate(msg)
+    origin = origin or next(_DEFAULT_ORIGINS)
+    _check_origin(origin.sender, origin.n)
     body: dict[str, Any] = {}
     for f in fields(msg):
         value = getattr(msg, f.name)
         body[f.name] = list(value) if isinstance(value, tuple) else value
-    envelope = {"version": PROTOCOL_VERSION, "type": _NAMES[type(msg)], "ts": time.time()}
+    envelope = {"version": PROTOCOL_VERSION, "type": _NAMES[type(msg)], "ts": time.time(),
+                "sender": origin.sender, "n": origin.n}  # fmt: skip
     payload: bytes = msgpack.packb({**envelope, "body": body}, use_bin_type=True)
     data = payload + _tag(secret, payload) if secret else payload
     if len(data) > MAX_MESSAGE_BYTES:
         raise ControlError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     return data
+
+
+def _check_origin(sender: object, n: object) -> None:
+    if not isinstance(sender, str) or not 1 <= len(sender) <= MAX_SENDER_CHARS:
+        raise ControlError(f"sender must be a string of 1-{MAX_SENDER_CHARS} characters")
+    _check_int("n", n, 1)
 
 
 def _unpack(payload: bytes) -> object:
@@ -303,6 +345,11 @@ def _unpack(payload: bytes) -> object:
 
 
 def decode(data: bytes, secret: bytes | None = None) -> Message:
+    return open_envelope(data, secret).msg
+
+
+def open_envelope(data: bytes, secret: bytes | None = None) -> Envelope:
+    """The message with its origin and timestamp; ControlError says why it was rejected."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise ControlError(f"expected bytes, got {type(data).__name__}")
     data = bytes(data)
@@ -334,10 +381,14 @@ def decode(data: bytes, secret: bytes | None = None) -> Message:
     ts = envelope["ts"]
     if isinstance(ts, bool) or not isinstance(ts, int | float):
         raise ControlError(f"ts must be a number, got {type(ts).__name__}")
+    if not math.isfinite(ts):
+        raise ControlError("ts must be finite")
+    _check_origin(envelope["sender"], envelope["n"])
     body = envelope["body"]
     if not isinstance(body, dict):
         raise ControlError(f"body must be a map, got {type(body).__name__}")
-    return _build(_TYPES[name], body)
+    origin = Origin(envelope["sender"], envelope["n"])
+    return Envelope(_build(_TYPES[name], body), origin, float(ts))
 
 
 # --- the per-request route hint (SGLang's kv_hints envelope) ----------------------------------
@@ -362,7 +413,7 @@ def route_hint(*, role: str, park: bool, reply_to: str) -> dict:
     hint = RouteHint(role, park, reply_to)
     _check_route(hint)
     return {
-        "protocol_version": str(PROTOCOL_VERSION),
+        "protocol_version": str(KV_HINTS_PROTOCOL_VERSION),
         "message_id": uuid.uuid4().hex,
         "actions": [
             {
@@ -432,7 +483,7 @@ def parse_route_hint(kv_hints: object) -> RouteHint | None:
         return None
     if len(routes) > 1:
         raise ControlError(f"kv_hints carries {len(routes)} {ROUTE_ACTION} actions, expected 1")
-    if not _version_is(_get(kv_hints, "protocol_version"), PROTOCOL_VERSION):
+    if not _version_is(_get(kv_hints, "protocol_version"), KV_HINTS_PROTOCOL_VERSION):
         raise ControlError(f"kv_hints protocol_version {_get(kv_hints, 'protocol_version')!r}")
     action = routes[0]
     version = _get(action, "action_version")

@@ -1,0 +1,368 @@
+"""A discrete-event simulator of a P / RLD / MD cluster, deciding with the router's own code.
+
+Deterministic given the seed: one heap of timed events, ties broken by insertion order, one
+random stream (WAN jitter only). Four deployment kinds:
+- `same-dc`: P and D on one datacenter's chips; the whole prompt's KV goes over RDMA;
+- `naive`: P in datacenter A, D (MD) in B; the whole prompt's KV crosses the WAN;
+- `cache`: as naive, but MD keeps a decode-side prefix cache: only the uncached suffix crosses;
+- `pdd`: P, RLD and MD; each request's path comes from `pdd.policy.path.choose_path` (auto:
+  `auto_path`) fed with the signals the router has, kept by the router's own estimators
+  (`pdd.router.estimates`), and handoffs follow `pdd.policy.handoff` (choose_mode, next_step).
+
+What is modelled:
+- P instances run FIFO prefill batches (up to `prefill_batch_tokens` new tokens; a longer prompt
+  runs alone); the step time is the roofline of `costs.StepCosts`. P produces output token 0.
+- Decode instances (D, RLD, MD) run continuous batching: every step produces one token for each
+  running request; extends (handoff recomputes) join the next step. A request is admitted when a
+  slot (`max_batch`) and KV memory for its prompt and output are free, else it waits (a cached
+  prefix counts too: each agent session's context is its own, not shared between requests).
+- The WAN shares its line fairly between concurrent KV transfers, each capped at the TCP flow
+  rate; every message also takes one sampled one-way delay. Control messages (READY, chunks,
+  ACKs, HANDOFF) take one one-way delay and no bandwidth. RDMA (P -> RLD, P -> D) is not
+  contended: latency + bytes / interconnect.
+- The user and the router sit in datacenter A: what RLD streams is seen at once, what MD streams
+  one one-way delay later (sampled once per request).
+- MD's decode-side cache: a request's MD hit is its P-side hit (an aligned DRC), scaled down by
+  min(1, free MD KV memory x number of MDs / hot_set_tokens) when `hot_set_tokens` (the
+  workload's reused prefix tokens) is given: a full MD remembers less. `naive` MD has no cache;
+  RLD and same-DC D get the whole prompt's KV.
+- MD reserves memory when the KV lands (SGLang reserves before the transfer: small difference).
+Not modelled: P-side cache effects beyond the given cached tokens, tensor-parallel
+communication, preemption/retraction, per-session cache state, TCP slow start in the cluster
+(connections stay warm), failures.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from pdd.eval.sim.clock import Clock
+from pdd.eval.sim.config import TIERS, ClusterConfig, Sla
+from pdd.eval.sim.costs import StepCosts
+from pdd.eval.sim.requests import SimRequest, as_sim_request
+from pdd.eval.sim.results import RequestResult, SimResult, summarize
+from pdd.eval.sim.tiers import Decode, Prefill, RequestState, Slot
+from pdd.eval.sim.wan import Wan
+from pdd.policy.balance import pick_least_loaded
+from pdd.policy.handoff import choose_mode, next_step
+from pdd.policy.path import Signals, choose_path
+from pdd.router.estimates import RelaySpeed, WanEstimate
+
+
+class Simulation:
+    """The router's part: picks instances and paths, moves KV, runs handoffs; the instances
+    (`tiers`) and the line (`wan`) only keep time."""
+
+    def __init__(self, config: ClusterConfig, requests: Iterable[Any]) -> None:
+        self.cfg = config
+        self.requests = sorted((as_sim_request(r) for r in requests), key=lambda r: r.arrival_s)
+        self.clock = Clock()
+        self.rng = random.Random(config.seed)
+        c = config
+        pc = c.step_costs(c.prefill)
+        self.p = [
+            Prefill(self.clock, pc, c.prefill_batch_tokens, self.prefilled)
+            for _ in range(c.prefill.instances)
+        ]
+        mc = c.step_costs(c.main)
+        self.md = [Decode(self.clock, mc, c.main.max_batch) for _ in range(c.main.instances)]
+        self.rld: list[Decode] = []
+        if c.kind == "pdd" and c.relay is not None:
+            rc = c.step_costs(c.relay)
+            self.rld = [Decode(self.clock, rc, c.relay.max_batch) for _ in range(c.relay.instances)]
+        self.wan = Wan(self.clock, self.rng, c.link)
+        # The router's view: requests in flight per instance, and its learned estimates.
+        self.load = {"P": [0] * len(self.p), "RLD": [0] * len(self.rld), "MD": [0] * len(self.md)}
+        self.cursor = {"P": 0, "RLD": 0, "MD": 0}
+        self.wan_est = [WanEstimate() for _ in self.md]  # one per MD, as in the router
+        self.relay_speed = RelaySpeed()
+        if c.warm_estimates:
+            for est in self.wan_est:
+                est.kv_bytes_per_token = c.model.kv_bytes_per_token
+                est.bytes_per_s.add(c.link.flow_bytes_per_s)
+            if self.rld:
+                self.relay_speed.tpot_s.add(self.rld[0].costs.decode_step_s(1, 0))
+        self.states: list[RequestState] = []
+
+    # -- the router
+
+    def _pick(self, tier: str) -> int:
+        loads: list[int | None] = list(self.load[tier])
+        i = pick_least_loaded(loads, self.cursor[tier])
+        self.cursor[tier] = (self.cursor[tier] + 1) % len(loads)
+        return i
+
+    def md_cached(self, req: SimRequest, md: int) -> int:
+        """MD's prefix hit for this request (see the module docstring)."""
+        if self.cfg.kind in ("same-dc", "naive"):
+            return 0
+        hot = self.cfg.hot_set_tokens
+        if not hot:
+            return req.cached_tokens
+        inst = self.md[md]
+        free = max(inst.costs.kv_capacity_tokens - inst.reserved, 0)
+        return int(req.cached_tokens * min(1.0, free * len(self.md) / hot))
+
+    def _arrive(self, st: RequestState) -> None:
+        req, cfg = st.req, self.cfg
+        st.p = self._pick("P")
+        self.load["P"][st.p] += 1
+        st.md = self._pick("MD")
+        st.md_hit = self.md_cached(req, st.md)
+        if cfg.kind == "pdd":
+            st.rld = self._pick("RLD")
+            signals = Signals(
+                prompt_tokens=req.prompt_tokens,
+                max_new_tokens=req.output_tokens,
+                md_cached_tokens=st.md_hit,
+                transfer_s=self.wan_est[st.md].transfer_s(req.prompt_tokens - st.md_hit),
+                relay_decode_s=self.relay_speed.decode_s(req.output_tokens),
+                relay_load=self.load["RLD"][st.rld],
+            )
+            choice = choose_path(None, cfg.path, [], signals, cfg.path_policy)
+            st.path, st.reason = choice.path, choice.reason
+        else:
+            st.path, st.reason = "main", cfg.kind
+        if st.path == "main":
+            st.rld = None
+        if st.path == "relay":
+            st.md = None
+        for tier, i in (("RLD", st.rld), ("MD", st.md)):
+            if i is not None:
+                self.load[tier][i] += 1
+        self.p[st.p].submit(st)
+
+    def prefilled(self, st: RequestState) -> None:
+        """P is done (token 0 exists): send the KV where the path says."""
+        now, req, cfg = self.clock.now, st.req, self.cfg
+        self.load["P"][st.p] -= 1
+        st.tokens["P"] = 1
+        kvb = cfg.model.kv_bytes_per_token
+        if cfg.kind == "same-dc":
+            nbytes = req.prompt_tokens * kvb
+            st.rdma_bytes += nbytes
+            t = now + self._rdma_s(self.p[st.p].costs, self.md[st.md or 0].costs, nbytes)
+            self.clock.at(t, self._to_main, st)
+            return
+        if st.rld is not None:
+            nbytes = req.prompt_tokens * kvb
+            st.rdma_bytes += nbytes
+            t = now + self._rdma_s(self.p[st.p].costs, self.rld[st.rld].costs, nbytes)
+            self.clock.at(t, self._to_relay, st)
+        if st.md is not None:
+            st.stream_delay_s = cfg.link.one_way_s(self.rng)
+            st.wan_bytes = (req.prompt_tokens - st.md_hit) * kvb
+            st.wan_sent_s = now
+            self.wan.send(st.wan_bytes, lambda: self._to_main(st))
+
+    def _rdma_s(self, src: StepCosts, dst: StepCosts, nbytes: float) -> float:
+        rate = min(src.send_bytes_s, dst.send_bytes_s)
+        return self.cfg.rdma_latency_s + nbytes / rate
+
+    # -- RLD
+
+    def _to_relay(self, st: RequestState) -> None:
+        if st.finished or st.relay_stopped:
+            return
+        assert st.rld is not None
+        req = st.req
+        slot = Slot(st, req.prompt_tokens + req.output_tokens, req.output_tokens,
+                     self._relay_admitted, self._relay_finished)  # fmt: skip
+        st.rld_slot = slot
+        self.rld[st.rld].request(slot)
+
+    def _relay_admitted(self, slot: Slot) -> None:
+        st = slot.st
+        st.see_first(self.clock.now)  # RLD streams token 0 at once
+        assert st.rld is not None
+        self.rld[st.rld].run(slot, 1, st.req.prompt_tokens)
+
+    def _relay_finished(self, slot: Slot) -> None:
+        st = slot.st
+        now = self.clock.now
+        self._observe_relay(st, slot.target)
+        self._release_relay(st)
+        st.tokens["RLD"] = slot.target - 1
+        self._finish(st, now)
+        if st.md is not None:  # MD is cancelled; it keeps the prompt's KV in its cache
+            if st.md_slot is not None:
+                self.md[st.md].release(st.md_slot)
+            self._release_main(st)
+
+    def _observe_relay(self, st: RequestState, tokens: int) -> None:
+        if math.isfinite(st.first_s):
+            self.relay_speed.observe(tokens, self.clock.now - st.first_s)
+
+    def _release_relay(self, st: RequestState) -> None:
+        if st.rld is not None and not st.relay_stopped:
+            st.relay_stopped = True
+            self.load["RLD"][st.rld] -= 1
+
+    def _release_main(self, st: RequestState) -> None:
+        if st.md is not None:
+            self.load["MD"][st.md] -= 1
+            st.md = None
+
+    # -- MD
+
+    def _to_main(self, st: RequestState) -> None:
+        """The prompt's KV (or its suffix) landed on MD (or D)."""
+        if st.finished or st.md is None:
+            return
+        req = st.req
+        reserve = req.prompt_tokens + req.output_tokens  # a cached prefix is held all the same
+        on_admit = self._ready if st.path == "pdd" else self._main_admitted
+        slot = Slot(st, reserve, req.output_tokens, on_admit, self._main_finished)
+        st.md_slot = slot
+        self.md[st.md].request(slot)
+
+    def _main_admitted(self, slot: Slot) -> None:
+        st = slot.st
+        st.see_first(self.clock.now + st.stream_delay_s)
+        assert st.md is not None
+        self.md[st.md].run(slot, 1, st.req.prompt_tokens)
+
+    def _main_finished(self, slot: Slot) -> None:
+        st = slot.st
+        done_by_md = slot.target - max(st.tokens.get("RLD", 0) + 1, 1)
+        st.tokens["MD"] = done_by_md
+        self._finish(st, self.clock.now + st.stream_delay_s)
+        self._release_main(st)
+
+    def _ready(self, slot: Slot) -> None:
+        """MD holds the KV: READY goes to the router."""
+        self.clock.at(self.clock.now + self.cfg.link.one_way_s(self.rng), self._on_ready, slot.st)
+
+    def _on_ready(self, st: RequestState) -> None:
+        now = self.clock.now
+        if st.finished or st.md is None:
+            return
+        suffix = st.req.prompt_tokens - st.md_hit
+        self.wan_est[st.md].observe(int(st.wan_bytes), suffix, now - st.wan_sent_s)
+        pending = self._available(st)
+        load = self.load["RLD"][st.rld] if st.rld is not None else 0
+        st.mode = choose_mode(self.cfg.handoff, pending=pending, relay_load=load)
+        if st.mode == "extend":
+            self._handoff(st)
+        else:
+            self._catchup(st)
+
+    def _available(self, st: RequestState) -> int:
+        """Output tokens the client has from RLD (token 0 included)."""
+        slot = st.rld_slot
+        if slot is None or st.rld is None or not slot.active:
+            return 0
+        return self.rld[st.rld].visible(slot)
+
+    def _catchup(self, st: RequestState) -> None:
+        relay_running = st.rld_slot is not None and st.rld_slot.running and st.rld_slot.active
+        step = next_step(self.cfg.handoff, done=st.md_done, available=self._available(st),
+                         chunks_sent=st.chunks)  # fmt: skip
+        if step.final or not relay_running:
+            self._handoff(st)
+            return
+        st.chunks += 1
+        md, ctx = st.md, st.req.prompt_tokens + step.start
+        assert md is not None
+        one_way = self.cfg.link.one_way_s
+
+        def extended() -> None:
+            self.clock.at(self.clock.now + one_way(self.rng), self._on_ack, st, step.end)
+
+        self.clock.at(self.clock.now + one_way(self.rng), self.md[md].extend, step.size, ctx,
+                      extended)  # fmt: skip
+
+    def _on_ack(self, st: RequestState, done: int) -> None:
+        if st.finished:
+            return
+        st.md_done = done
+        self._catchup(st)
+
+    def _handoff(self, st: RequestState) -> None:
+        available = self._available(st)
+        if st.rld_slot is not None and st.rld is not None:
+            if st.rld_slot.running and available:
+                self._observe_relay(st, available)
+            self.rld[st.rld].release(st.rld_slot)
+        self._release_relay(st)
+        st.tokens["RLD"] = max(available - 1, 0)
+        base = max(available, 1)
+        k = base - st.md_done
+        md, slot, prompt = st.md, st.md_slot, st.req.prompt_tokens
+        assert md is not None and slot is not None
+
+        def extended() -> None:
+            if available == 0:
+                st.see_first(self.clock.now + st.stream_delay_s)
+            self.md[md].run(slot, base + 1, prompt + base)
+
+        t = self.clock.now + self.cfg.link.one_way_s(self.rng)
+        self.clock.at(t, self.md[md].extend, k, prompt + st.md_done, extended)
+
+    def _finish(self, st: RequestState, t: float) -> None:
+        st.finished = True
+        st.finish_s = t
+        st.see_first(t)
+
+    # -- running
+
+    def run(self) -> SimResult:
+        for i, req in enumerate(self.requests):
+            st = RequestState(i, req)
+            self.states.append(st)
+            self.clock.at(req.arrival_s, self._arrive, st)
+        self.clock.run()
+        results = [self._result(st) for st in self.states]
+        if any(not st.finished for st in self.states):
+            raise RuntimeError("simulation ended with unfinished requests")
+        summary = summarize(results, Sla(), self._utilisation(), self.cfg.cost)
+        return SimResult(self.cfg, results, summary, self.clock.events)
+
+    def _utilisation(self) -> dict[str, float]:
+        """Per tier: the fraction of time its instances ran forwards, between the first
+        arrival and the tier's last forward (decode: time spent stepping, at any batch size)."""
+        t0 = min((r.arrival_s for r in self.requests), default=0.0)
+        tiers: dict[str, Sequence[Prefill | Decode]] = {"P": self.p, "MD": self.md}
+        if self.rld:
+            tiers["RLD"] = self.rld
+        util = {}
+        for name, insts in tiers.items():
+            span = max(i.last_s for i in insts) - t0
+            util[name] = sum(i.busy_s for i in insts) / (span * len(insts)) if span > 0 else 0.0
+        span = self.wan.last_s - t0
+        if self.wan.sent and span > 0:  # the line's average load
+            util["WAN"] = self.wan.sent / (self.cfg.link.bytes_per_s * span)
+        return util
+
+    def _result(self, st: RequestState) -> RequestResult:
+        r = st.req
+        tokens = {t: st.tokens.get(t, 0) for t in TIERS}
+        return RequestResult(
+            index=st.index,
+            arrival_s=r.arrival_s,
+            prompt_tokens=r.prompt_tokens,
+            cached_tokens=r.cached_tokens,
+            md_cached_tokens=st.md_hit,
+            output_tokens=r.output_tokens,
+            path=st.path,
+            reason=st.reason,
+            first_token_s=st.first_s,
+            finish_s=st.finish_s,
+            wan_bytes=st.wan_bytes,
+            rdma_bytes=st.rdma_bytes,
+            tokens=tokens,
+            handoff_mode=st.mode,
+            chunks=st.chunks,
+        )
+
+
+def simulate(requests: Iterable[Any], config: ClusterConfig, sla: Sla | None = None) -> SimResult:
+    """Run `requests` (SimRequest or anything `as_sim_request` reads) through `config`."""
+    result = Simulation(config, requests).run()
+    if sla is not None:
+        s = result.summary
+        result.summary = summarize(result.results, sla, s.utilisation, s.cost)
+    return result

@@ -1,0 +1,242 @@
+"""The simulated instances and what they hold: a P instance's FIFO prefill batches, a decode
+instance's continuous batching (D, RLD and MD alike), and the per-request state both move along.
+
+They know only the clock and their own costs; what happens when a request is prefilled,
+admitted or finished is a callback, decided by `simulation.Simulation` (the router's part)."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdd.eval.sim.clock import Clock
+from pdd.eval.sim.costs import StepCosts, prefill_pairs
+from pdd.eval.sim.requests import SimRequest
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One request's progress through the cluster: its path, instances, times and tokens."""
+
+    index: int
+    req: SimRequest
+    path: str = "main"
+    reason: str = ""
+    md_hit: int = 0
+    p: int = 0
+    rld: int | None = None
+    md: int | None = None
+    rld_slot: Slot | None = None
+    md_slot: Slot | None = None
+    first_s: float = math.inf
+    finish_s: float = math.inf
+    stream_delay_s: float = 0.0  # MD -> the user in datacenter A
+    wan_bytes: float = 0.0
+    rdma_bytes: float = 0.0
+    wan_sent_s: float = 0.0
+    tokens: dict[str, int] = field(default_factory=dict)
+    mode: str | None = None
+    chunks: int = 0
+    md_done: int = 0  # leading output tokens MD holds KV for
+    relay_stopped: bool = False
+    finished: bool = False
+
+    def see_first(self, t: float) -> None:
+        self.first_s = min(self.first_s, t)
+
+
+@dataclass(eq=False)
+class Slot:
+    """One request on one decode instance."""
+
+    st: RequestState
+    reserve: int  # KV tokens held
+    target: int  # output tokens at which it ends
+    on_admit: Callable[[Slot], None]
+    on_finish: Callable[[Slot], None]
+    visible0: int = 1
+    context0: int = 0
+    joined: int = 0
+    admitted: bool = False
+    running: bool = False
+    active: bool = True
+
+
+def prefill_job(req: SimRequest) -> tuple[int, int]:
+    """(new, cached) tokens P computes: at least the last prompt token is always recomputed,
+    for its logits (as SGLang does on a full hit)."""
+    new = max(1, req.prompt_tokens - req.cached_tokens)
+    return new, req.prompt_tokens - new
+
+
+class Prefill:
+    def __init__(
+        self,
+        clock: Clock,
+        costs: StepCosts,
+        budget: int,
+        on_prefilled: Callable[[RequestState], None],
+    ) -> None:
+        self.clock, self.costs, self.budget = clock, costs, budget
+        self.on_prefilled = on_prefilled
+        self.queue: deque[RequestState] = deque()
+        self.busy = False
+        self.busy_s = 0.0
+        self.last_s = 0.0  # when its last forward ended
+
+    def submit(self, st: RequestState) -> None:
+        self.queue.append(st)
+        if not self.busy:
+            self._start()
+
+    def _start(self) -> None:
+        batch: list[RequestState] = []
+        new = 0
+        while self.queue:
+            n = prefill_job(self.queue[0].req)[0]
+            if batch and new + n > self.budget:
+                break
+            batch.append(self.queue.popleft())
+            new += n
+        jobs = [prefill_job(s.req) for s in batch]
+        dt = self.costs.prefill_batch_s(jobs)
+        self.busy = True
+        self.busy_s += dt
+        self.last_s = self.clock.now + dt
+        self.clock.at(self.last_s, self._done, batch)
+
+    def _done(self, batch: list[RequestState]) -> None:
+        self.busy = False
+        for st in batch:
+            self.on_prefilled(st)
+        if self.queue:
+            self._start()
+
+
+class Decode:
+    """Continuous batching: each step gives every running request one token."""
+
+    def __init__(self, clock: Clock, costs: StepCosts, max_batch: int) -> None:
+        self.clock, self.costs, self.max_batch = clock, costs, max_batch
+        self.steps = 0
+        self.batch = 0
+        self.kv = 0  # context tokens of the running requests
+        self.reserved = 0
+        self.slots = 0  # admitted: running or waiting for a handoff
+        self.waiting: deque[Slot] = deque()
+        self.joining: list[Slot] = []
+        self.extends: list[tuple[int, int, Callable[[], None]]] = []
+        self.finishes: list[tuple[int, int, Slot]] = []
+        self._seq = itertools.count()
+        self.stepping = False
+        self.kicked = False
+        self.busy_s = 0.0
+        self.last_s = 0.0
+
+    def visible(self, slot: Slot) -> int:
+        """Output tokens the request has from this instance's steps so far."""
+        if not slot.running or slot.joined > self.steps:
+            return slot.visible0 if slot.admitted else 0
+        return slot.visible0 + self.steps - slot.joined
+
+    def request(self, slot: Slot) -> None:
+        if slot.reserve > self.costs.kv_capacity_tokens:
+            raise ValueError(
+                f"a request needs {slot.reserve} KV tokens; an instance holds "
+                f"{self.costs.kv_capacity_tokens}"
+            )
+        self.waiting.append(slot)
+        self._admit()
+
+    def _admit(self) -> None:
+        cap = self.costs.kv_capacity_tokens
+        while self.waiting:
+            slot = self.waiting[0]
+            if not slot.active:
+                self.waiting.popleft()
+                continue
+            if self.slots >= self.max_batch or self.reserved + slot.reserve > cap:
+                return
+            self.waiting.popleft()
+            self.reserved += slot.reserve
+            self.slots += 1
+            slot.admitted = True
+            slot.on_admit(slot)
+
+    def run(self, slot: Slot, visible: int, context: int) -> None:
+        """Start producing tokens for an admitted request that has `visible` output tokens and
+        KV for `context` tokens; it joins the next step."""
+        slot.visible0, slot.context0 = visible, context
+        if visible >= slot.target:
+            self.release(slot)
+            slot.on_finish(slot)
+            return
+        self.joining.append(slot)
+        self._kick()
+
+    def extend(self, tokens: int, context: int, on_done: Callable[[], None]) -> None:
+        self.extends.append((tokens, context, on_done))
+        self._kick()
+
+    def release(self, slot: Slot) -> None:
+        """Drop a request (finished, stopped or cancelled) and free its slot and memory."""
+        if not slot.active:
+            return
+        slot.active = False
+        if slot in self.joining:
+            self.joining.remove(slot)
+        elif slot.running:
+            self.batch -= 1
+            self.kv -= slot.context0 + self.steps - slot.joined
+        if slot.admitted:
+            self.reserved -= slot.reserve
+            self.slots -= 1
+            if self.waiting:
+                self.clock.at(self.clock.now, self._admit)
+
+    def _kick(self) -> None:
+        if not self.stepping and not self.kicked and (self.batch or self.joining or self.extends):
+            self.kicked = True  # start on the next event at this instant: joins arrive together
+            self.clock.at(self.clock.now, self._start)
+
+    def _start(self) -> None:
+        self.kicked = False
+        if self.stepping or not (self.batch or self.joining or self.extends):
+            return
+        for slot in self.joining:
+            slot.running = True
+            slot.joined = self.steps
+            self.batch += 1
+            self.kv += slot.context0
+            end = self.steps + slot.target - slot.visible0
+            heapq.heappush(self.finishes, (end, next(self._seq), slot))
+        self.joining = []
+        ext, self.extends = self.extends, []
+        if ext:
+            k = sum(t for t, _, _ in ext)
+            pairs = sum(prefill_pairs(t, c) for t, c, _ in ext)
+            dt = self.costs.decode_step_s(self.batch, self.kv, k, pairs, sum(c for _, c, _ in ext))
+        else:
+            dt = self.costs.decode_step_s(self.batch, self.kv)
+        self.stepping = True
+        self.busy_s += dt
+        self.last_s = self.clock.now + dt
+        self.clock.at(self.last_s, self._end, ext)
+
+    def _end(self, ext: list[tuple[int, int, Callable[[], None]]]) -> None:
+        self.stepping = False
+        self.steps += 1
+        self.kv += self.batch
+        while self.finishes and self.finishes[0][0] <= self.steps:
+            _, _, slot = heapq.heappop(self.finishes)
+            if slot.active and slot.running:
+                self.release(slot)
+                slot.on_finish(slot)
+        for _, _, on_done in ext:
+            on_done()
+        if not self.kicked:
+            self._start()  # back to back: no extra event per step
