@@ -7,10 +7,11 @@
 Commands:
   trace    generate an agentic trace (JSONL) and print its hit-rate summary
   import   convert a user's trace (Mooncake-style or simple JSONL) to ours; print its summary
-  sim      simulate a PDD cluster on a trace (pdd.eval.sim)
+  sim      simulate a PDD cluster on a trace, or check it against a live run (pdd.eval.sim)
   plan     size a deployment with the simulator (pdd.eval.sim)
   repro    rerun the paper's scenarios in the simulator (pdd.eval.sim)
   live     run a workload through four deployments on the testbed (pdd.eval.live)
+  faults   inject WAN cuts and server kills under load; count lost requests (pdd.eval.faults)
 
 `python -m pdd.eval COMMAND --help` shows a command's options.
 """
@@ -152,11 +153,6 @@ def _import(argv: list[str]) -> int:
     return 0
 
 
-def _missing(err: ModuleNotFoundError, module: str) -> bool:
-    """True when `module` itself (or a parent) is absent, not something it imports."""
-    return err.name is not None and (module == err.name or module.startswith(err.name + "."))
-
-
 def main(argv: list[str] | None = None) -> int | None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -168,25 +164,17 @@ def main(argv: list[str] | None = None) -> int | None:
     if command == "import":
         return _import(rest)
     if command in SIM_COMMANDS:
-        try:
-            from pdd.eval.sim.cli import main as sim_main
-        except ModuleNotFoundError as err:
-            if not _missing(err, "pdd.eval.sim.cli"):
-                raise
-            print(
-                f"error: `{command}` needs pdd.eval.sim.cli, which is not present", file=sys.stderr
-            )
-            return 2
+        from pdd.eval.sim.cli import main as sim_main
+
         return sim_main(argv)
     if command == "live":
-        try:
-            from pdd.eval.live import main as live_main
-        except ModuleNotFoundError as err:
-            if not _missing(err, "pdd.eval.live"):
-                raise
-            print("error: `live` needs pdd.eval.live, which is not written yet", file=sys.stderr)
-            return 2
+        from pdd.eval.live import main as live_main
+
         return live_main(rest)
+    if command == "faults":
+        from pdd.eval.faults import main as faults_main
+
+        return faults_main(rest)
     print(f"error: unknown command {command!r}\n\n{__doc__}", file=sys.stderr)
     return 2
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
@@ -41,3 +42,13 @@ def stream_generate(url: str, payload: dict, timeout: float = 300.0) -> Streamed
     if not out.chunks:
         raise RuntimeError(f"{url}/generate streamed no chunk")
     return out
+
+
+def flush_cache(url: str, wait_s: float = 30.0) -> None:
+    """Empties a server's radix cache, waiting up to `wait_s` for it to go idle first; raises
+    RuntimeError with the server's reason when it does not."""
+    try:
+        with urllib.request.urlopen(f"{url}/flush_cache?timeout={wait_s:g}", timeout=wait_s + 30):
+            pass
+    except urllib.error.HTTPError as err:
+        raise RuntimeError(f"{url} did not flush its cache: {err.read()!r}") from err

@@ -28,12 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from pdd.eval.client import stream_generate
+from pdd.eval.client import flush_cache, stream_generate
 from pdd.eval.replay import replay
 from pdd.eval.report import Record, Run, Sla, markdown_table, plot_runs
 from pdd.eval.trace import read_trace
@@ -60,7 +58,6 @@ DEPLOYMENTS = [
     Deployment("PDD", True, None),
 ]
 REQUEST_TIMEOUT_S = 600.0
-FLUSH_WAIT_S = 30.0
 
 
 def workload(args: argparse.Namespace) -> list[TraceRequest]:
@@ -71,17 +68,6 @@ def workload(args: argparse.Namespace) -> list[TraceRequest]:
     cfg = replace(cfg.scaled(args.scale), output_median=max(2, args.max_new // 2),
                   output_range=(1, args.max_new))  # fmt: skip
     return generate(cfg)
-
-
-def flush(pdd: PDDDeployment) -> None:
-    """Empties every server's radix cache (each deployment's pass starts cold)."""
-    for server in pdd.servers():
-        url = f"{server.url}/flush_cache?timeout={FLUSH_WAIT_S:g}"  # waits for idle first
-        try:
-            with urllib.request.urlopen(url, timeout=FLUSH_WAIT_S + 30) as resp:
-                resp.read()
-        except urllib.error.HTTPError as err:
-            raise RuntimeError(f"{server.name} did not flush its cache: {err.read()!r}") from err
 
 
 def run_pass(dep: Deployment, pdd: PDDDeployment, tb: Testbed, prompts: list[list[int]],
@@ -106,7 +92,8 @@ def run_pass(dep: Deployment, pdd: PDDDeployment, tb: Testbed, prompts: list[lis
                       got.ttft_s, got.total_s, meta.get("path"), meta.get("relay_tokens") or 0,
                       meta.get("wan_kv_bytes") or 0)  # fmt: skip
 
-    flush(pdd)
+    for server in pdd.servers():  # each deployment's pass starts cold
+        flush_cache(server.url)
     before = int(tb.wan.status()["counters"]["a_to_b"]["bytes"])
     start = time.monotonic()
     pace = {"concurrency": args.concurrency} if args.rate is None else {"rate": args.rate}

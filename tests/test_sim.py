@@ -363,6 +363,15 @@ def _live_doc() -> dict[str, object]:
     }
 
 
+def _four_passes() -> dict[str, object]:
+    """_live_doc with the cache and PDD passes too (their numbers: naive's; only run here)."""
+    doc = _live_doc()
+    runs = doc["runs"]
+    assert isinstance(runs, dict)
+    runs["cross-DC PD + decode cache"] = runs["PDD"] = runs["naive cross-DC PD"]
+    return doc
+
+
 def test_calibration_recovers_the_fit_and_predicts_ttft() -> None:
     cal = calibrate(_live_doc())
     assert cal.fit.prefill_s_per_token == pytest.approx(0.001, rel=0.01)
@@ -380,9 +389,10 @@ def test_calibration_recovers_the_fit_and_predicts_ttft() -> None:
 
 def test_calibration_cli_writes_calib_md(tmp_path: Path) -> None:
     live = tmp_path / "live.json"
-    live.write_text(json.dumps(_live_doc()))
+    live.write_text(json.dumps(_four_passes()))
     assert cli_main(["sim", "--calibrate", str(live), "--out", str(tmp_path / "out")]) == 0
     md = (tmp_path / "out" / "calib.md").read_text()
     assert "| same-DC PD | ttft_p50 |" in md and "Median absolute relative error" in md
+    assert "| PDD | rld_share |" in md and "| cross-DC PD + decode cache | e2e_p99 |" in md
     assert json.loads((tmp_path / "out" / "calib.json").read_text())["rows"]
     assert cli_main(["sim", "--calibrate", str(tmp_path / "missing.json")]) == 1

@@ -154,14 +154,15 @@ def sim_requests(recs: Sequence[Record]) -> list[SimRequest]:
     return out
 
 
-def as_record(r: RequestResult) -> Record:
+def as_record(r: RequestResult, kind: str) -> Record:
     """A simulated request as the live harness records one. Relay tokens count token 0 when RLD
     streamed it, as the router does (the simulator credits token 0 to P)."""
     relay = r.tokens.get("RLD", 0)
     relay += 1 if r.path == "relay" or relay > 0 else 0
+    path = "P->D" if kind == "same-dc" else PATHS[r.path]
     return Record(
         r.prompt_tokens, r.cached_tokens, r.arrival_s, r.output_tokens, r.ttft_s, r.e2e_s,
-        PATHS[r.path], relay, int(r.wan_bytes),
+        path, relay, int(r.wan_bytes),
     )  # fmt: skip
 
 
@@ -199,9 +200,9 @@ class Calibration:
             "|---|---|---|---|---|",
         ]
         for r in self.rows:
+            err = f"{r.error:+.1%}" if math.isfinite(r.error) else "n/a"
             lines.append(
-                f"| {r.deployment} | {r.metric} | {r.measured:.4g} | {r.predicted:.4g} | "
-                f"{r.error:+.1%} |"
+                f"| {r.deployment} | {r.metric} | {r.measured:.4g} | {r.predicted:.4g} | {err} |"
             )
         return "\n".join(lines)
 
@@ -278,7 +279,7 @@ def calibrate(live: Mapping[str, Any]) -> Calibration:
         if len(reqs) < len(recs):
             notes.append(f"{name}: {len(recs) - len(reqs)} failed requests not replayed")
         res = simulate(reqs, testbed_config(kind, f, model, link))
-        sim_recs = [as_record(r) for r in res.results]
+        sim_recs = [as_record(r, kind) for r in res.results]
         predicted = Run(name, sim_recs, wall_s=res.summary.duration_s).summary(sla)
         measured = {**Run(name, recs).summary(sla), **live.get("summaries", {}).get(name, {})}
         metrics = compared(kind)

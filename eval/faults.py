@@ -1,0 +1,264 @@
+"""Faults under load on the testbed: nothing is lost, nothing is wrong.
+
+    python -m pdd.eval faults [--requests 300] [--concurrency 16] [--scenarios none,cut,...]
+                              [--rate-mbit 8] [--delay-ms 20] [--out runs/faults]
+
+Needs root. Brings up its own testbed (name `pddfault`), one PDD deployment on it (P and RLD in
+A, MD in B, the router in A, the router's automatic path policy) and a colocated reference
+server. Each scenario replays the same requests (fresh prompts and conversation turns, greedy)
+through the router at a fixed concurrency and injects its fault once a third of them are done:
+- none: no fault (the baseline);
+- cut: the WAN drops everything both ways for `--fault-s` seconds;
+- collapse: the WAN falls to 1% of its rate for 2 x `--fault-s` seconds;
+- md-kill / rld-kill / p-kill: that server is killed, and started again `--fault-s` seconds later.
+Every request ends in one of: completed (its tokens are compared with the colocated server's),
+failed with a clear error (an HTTP error or an error event that says why), or lost (no answer
+within the client's timeout, a broken connection, or a stream that stopped without a reason).
+Prints a table (sent, completed, failed, lost, wrong outputs, throughput, TTFT P99, the commonest
+error) and writes JSON and markdown to --out. Exits 1 if any request was lost or wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import threading
+import time
+import urllib.error
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pdd.eval.client import flush_cache, stream_generate
+from pdd.eval.prompts import random_ids
+from pdd.eval.replay import replay
+from pdd.eval.report import percentile
+from pdd.eval.workload import TraceRequest
+from pdd.launch.cli import command_parser
+from pdd.launch.pd_local import generate
+from pdd.launch.pdd_deploy import PDDDeployment
+from pdd.launch.process import exit_on_sigterm, free_port, stop_groups
+from pdd.launch.servers import SGLangServer
+from pdd.launch.testbed import Testbed
+from pdd.launch.wan import LinkParams
+
+SCENARIOS = ("none", "cut", "collapse", "md-kill", "rld-kill", "p-kill")
+CLIENT_TIMEOUT_S = 180.0
+
+
+@dataclass
+class Outcome:
+    kind: str  # "completed", "failed" or "lost"
+    ttft_s: float | None = None
+    output: list[int] | None = None
+    reason: str = ""
+    path: str | None = None
+
+
+@dataclass
+class Result:
+    scenario: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    wrong: int = 0
+    wall_s: float = 0.0
+    fault_at_s: float | None = None
+    recovered: bool = True  # a request after the fault completed
+
+    def count(self, kind: str) -> int:
+        return sum(o.kind == kind for o in self.outcomes)
+
+    def row(self) -> dict[str, object]:
+        done = [o for o in self.outcomes if o.kind == "completed"]
+        reasons = Counter(o.reason for o in self.outcomes if o.kind != "completed")
+        ttft = [o.ttft_s for o in done if o.ttft_s is not None]
+        return {
+            "scenario": self.scenario,
+            "sent": len(self.outcomes),
+            "completed": len(done),
+            "failed": self.count("failed"),
+            "lost": self.count("lost"),
+            "wrong": self.wrong,
+            "rps": len(done) / max(self.wall_s, 1e-9),
+            "ttft_p99": percentile(ttft, 99),
+            "recovered": self.recovered,
+            "top_error": reasons.most_common(1)[0][0][:120] if reasons else "",
+        }
+
+
+def requests_for(n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    """Prompts (fresh ones of 200-1200 tokens and conversation turns over a few shared
+    contexts) and output lengths (mostly 16-64, some 1-4: relay-only traffic)."""
+    rng = random.Random(seed)
+    contexts = [random_ids(rng.randint(300, 900), rng.randrange(1 << 30), vocab) for _ in range(4)]
+    prompts, outputs = [], []
+    for i in range(n):
+        if rng.random() < 0.5:
+            ctx = rng.randrange(len(contexts))
+            contexts[ctx] = contexts[ctx] + random_ids(rng.randint(10, 60), seed * 1000 + i, vocab)
+            prompts.append(list(contexts[ctx]))
+        else:
+            prompts.append(random_ids(rng.randint(200, 1200), rng.randrange(1 << 30), vocab))
+        outputs.append(rng.randint(1, 4) if rng.random() < 0.1 else rng.randint(16, 64))
+    return prompts, outputs
+
+
+def call(url: str, ids: list[int], max_new: int) -> Outcome:
+    sampling = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+    try:
+        got = stream_generate(url, {"input_ids": ids, "sampling_params": sampling},
+                              timeout=CLIENT_TIMEOUT_S)  # fmt: skip
+    except urllib.error.HTTPError as err:
+        body = err.read().decode(errors="replace")
+        try:
+            message = json.loads(body)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            return Outcome("lost", reason=f"HTTP {err.code} without a reason: {body[:200]}")
+        return Outcome("failed", reason=f"HTTP {err.code}: {message}")
+    except (OSError, RuntimeError, ValueError) as err:  # timeout, reset, no chunk
+        return Outcome("lost", reason=f"{type(err).__name__}: {err}")
+    final = got.final
+    if "error" in final:
+        reason = f"stream error: {final['error'].get('message')}"
+        return Outcome("failed", got.ttft_s, reason=reason)
+    finish = (final.get("meta_info") or {}).get("finish_reason") or {}
+    if finish.get("type") not in ("length", "stop"):
+        return Outcome("lost", got.ttft_s, reason=f"stream ended without a finish: {finish}")
+    path = ((final.get("meta_info") or {}).get("pdd") or {}).get("path")
+    return Outcome("completed", got.ttft_s, list(final["output_ids"]), path=path)
+
+
+def inject(scenario: str, tb: Testbed, pdd: PDDDeployment, fault_s: float) -> None:
+    """Applies the scenario's fault; a killed server is started again after fault_s."""
+    if scenario == "cut":
+        tb.wan.cut(seconds=fault_s)
+    elif scenario == "collapse":
+        tb.wan.rate(max(tb.link.rate_mbit / 100, 0.05), seconds=2 * fault_s)
+    elif scenario.endswith("-kill"):
+        server = {"md": pdd.main, "rld": pdd.relay, "p": pdd.prefill}[scenario[: -len("-kill")]]
+        assert server.process is not None
+        server.process.stop()
+        time.sleep(fault_s)
+        server.start()
+        server.wait_ready()
+
+
+def run_scenario(
+    scenario: str,
+    tb: Testbed,
+    pdd: PDDDeployment,
+    prompts: list[list[int]],
+    outputs: list[int],
+    refs: list[list[int]],
+    args: argparse.Namespace,
+) -> Result:
+    result = Result(scenario)
+    pairs = enumerate(zip(prompts, outputs, strict=True))
+    trace = [TraceRequest(i, 0, 0, 0.0, len(p), 0, o) for i, (p, o) in pairs]
+    done = threading.Event()
+    finished = [0]
+    lock = threading.Lock()
+    start = time.monotonic()
+
+    def send(req: TraceRequest) -> Outcome:
+        outcome = call(pdd.url, prompts[req.id], outputs[req.id])
+        with lock:
+            finished[0] += 1
+            if finished[0] >= len(prompts) // 3:
+                done.set()
+        return outcome
+
+    def fault() -> None:
+        if scenario == "none" or not done.wait(CLIENT_TIMEOUT_S * 4):
+            return
+        result.fault_at_s = time.monotonic() - start
+        print(f"[{scenario}] injecting the fault at {result.fault_at_s:.1f}s", flush=True)
+        inject(scenario, tb, pdd, args.fault_s)
+        print(f"[{scenario}] fault over at {time.monotonic() - start:.1f}s", flush=True)
+
+    injector = threading.Thread(target=fault, daemon=True)
+    injector.start()
+    results = replay(trace, send, concurrency=args.concurrency, timeout_s=CLIENT_TIMEOUT_S + 30,
+                     progress_every=max(1, len(trace) // 10),
+                     log=lambda line: print(f"[{scenario}] {line}", flush=True))  # fmt: skip
+    injector.join(CLIENT_TIMEOUT_S * 4)
+    result.wall_s = time.monotonic() - start
+    for res in results:
+        outcome = res.value if res.ok else Outcome("lost", reason=res.error or "no result")
+        result.outcomes.append(outcome)
+        if outcome.kind == "completed" and outcome.output != refs[res.index]:
+            result.wrong += 1
+    # After the fault: the deployment serves again (the router avoids or re-admits instances).
+    after = call(pdd.url, prompts[0], outputs[0])
+    result.recovered = after.kind == "completed" and after.output == refs[0]
+    return result
+
+
+def table(rows: list[dict[str, object]]) -> str:
+    cols = ["scenario", "sent", "completed", "failed", "lost", "wrong", "rps", "ttft_p99",
+            "recovered", "top_error"]  # fmt: skip
+    lines = ["| " + " | ".join(cols) + " |", "| --- " * len(cols) + "|"]
+    for r in rows:
+        cells = [f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = command_parser("pdd.eval faults", __doc__)
+    parser.add_argument("--model", type=Path, default=Path("models/tiny"))
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--rate-mbit", type=float, default=8.0)
+    parser.add_argument("--delay-ms", type=float, default=20.0, help="one way")
+    parser.add_argument("--fault-s", type=float, default=6.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--net", default="10.231", help="the testbed's first two octets")
+    parser.add_argument("--out", type=Path, default=Path("runs/faults"))
+    args = parser.parse_args(argv)
+    scenarios = args.scenarios.split(",")
+    if unknown := set(scenarios) - set(SCENARIOS):
+        parser.error(f"unknown scenarios {sorted(unknown)}; choose from {SCENARIOS}")
+    exit_on_sigterm()
+
+    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
+    prompts, outputs = requests_for(args.requests, vocab, args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tb = Testbed("pddfault", LinkParams(args.rate_mbit, args.delay_ms), net=args.net)
+    tb.down()
+    tb.up()
+    reference = SGLangServer("colocated", args.model, free_port(), args.out, tb.placement("a"))
+    pdd = PDDDeployment.create(args.model, args.out, tb.placement("a"), tb.placement("b"))
+    results: list[Result] = []
+    try:
+        reference.start()
+        pdd.up()
+        reference.wait_ready()
+        print(f"reference outputs for {len(prompts)} requests (colocated server)", flush=True)
+        refs = [generate(reference.url, {"input_ids": p, "sampling_params": {
+            "temperature": 0, "max_new_tokens": o, "ignore_eos": True}})["output_ids"]
+            for p, o in zip(prompts, outputs, strict=True)]  # fmt: skip
+        for scenario in scenarios:
+            for server in pdd.servers():  # every scenario starts cold
+                flush_cache(server.url)
+            results.append(run_scenario(scenario, tb, pdd, prompts, outputs, refs, args))
+            print(table([results[-1].row()]), flush=True)
+    finally:
+        pdd.down()
+        if reference.process is not None:
+            stop_groups([reference.process.pgid])
+        tb.down()
+
+    rows = [r.row() for r in results]
+    title = (f"{len(prompts)} requests at concurrency {args.concurrency}, {args.model.name}, "
+             f"WAN {args.rate_mbit:g} Mbit/s, RTT {2 * args.delay_ms:g} ms, faults "
+             f"{args.fault_s:g}s")  # fmt: skip
+    print(f"\n{title}\n{table(rows)}")
+    (args.out / "faults.md").write_text(f"# Faults under load\n\n{title}\n\n{table(rows)}\n")
+    data = {"title": title, "rows": rows,
+            "outcomes": {r.scenario: [asdict(o) | {"output": None} for o in r.outcomes]
+                         for r in results}}  # fmt: skip
+    (args.out / "faults.json").write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {args.out}/faults.md and faults.json")
+    return 1 if any(r["lost"] or r["wrong"] or not r["recovered"] for r in rows) else 0
