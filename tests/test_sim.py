@@ -354,11 +354,12 @@ def _live_doc() -> dict[str, object]:
     ]
     naive = [_live_record(i, p, c, 0.1 + 0.001 * (p - c) + 0.001 * p + 0.04, "P->MD")
              for i, (p, c) in enumerate(shapes)]  # fmt: skip
+    wan_mb = sum(p for p, _ in shapes) / len(shapes) * 1000 / 1e6  # the link's counter
     return {
         "link": {"rate_mbit": 8.0, "delay_ms": 20.0},
         "model": {"name": "toy", "kv_bytes_per_token": 1000},
         "args": {"concurrency": "1", "rate": "None", "ttft_sla": "3.0", "tpot_sla": "0.5"},
-        "summaries": {},
+        "summaries": {"naive cross-DC PD": {"wan_mb_per_request": wan_mb}},
         "runs": {"same-DC PD": same, "naive cross-DC PD": naive},
     }
 
@@ -383,7 +384,7 @@ def test_calibration_recovers_the_fit_and_predicts_ttft() -> None:
     # The WAN transfer of the whole prompt's KV is in the naive prediction.
     naive = rows[("naive cross-DC PD", "ttft_p50")]
     assert naive.predicted == pytest.approx(naive.measured, rel=0.1)
-    assert rows[("naive cross-DC PD", "kv_mb_per_request")].error == pytest.approx(0.0)
+    assert rows[("naive cross-DC PD", "wan_mb_per_request")].error == pytest.approx(0.0)
     assert ("PDD", "ttft_p50") not in rows and cal.median_abs_error < 0.1
 
 

@@ -167,9 +167,11 @@ def as_record(r: RequestResult, kind: str) -> Record:
 
 
 def compared(kind: str) -> list[str]:
-    """Metrics compared for a kind: latency everywhere, KV over the WAN for cross-DC kinds,
-    RLD's share of the output for PDD (same-DC's decoder is RLD live, D simulated)."""
-    extra = [] if kind == "same-dc" else ["kv_mb_per_request"]
+    """Metrics compared for a kind: latency everywhere, WAN bytes for cross-DC kinds, RLD's
+    share of the output for PDD (same-DC's decoder is RLD live, D simulated). WAN bytes live are
+    the link's own A -> B counter (KV and control messages): the router reports a request's KV
+    bytes only on P->RLD->MD (from MD's READY), so its per-request figure would miss P->MD."""
+    extra = [] if kind == "same-dc" else ["wan_mb_per_request"]
     return LATENCY + extra + (["rld_share"] if kind == "pdd" else [])
 
 
@@ -265,6 +267,8 @@ def calibrate(live: Mapping[str, Any]) -> Calibration:
         "local KV transfer is inside the fit; the decode step does not grow with batch or context",
         "MD's prefix hit = the trace's cached tokens (decode cache) or 0 (naive); PDD uses the "
         "default path and handoff policies",
+        "WAN MB/request: measured by the link's A -> B byte counter (KV plus control messages), "
+        "predicted as the KV the simulator sends",
     ]
     rows: list[Row] = []
     paths: dict[str, dict[str, dict[str, int]]] = {}
@@ -280,7 +284,8 @@ def calibrate(live: Mapping[str, Any]) -> Calibration:
             notes.append(f"{name}: {len(recs) - len(reqs)} failed requests not replayed")
         res = simulate(reqs, testbed_config(kind, f, model, link))
         sim_recs = [as_record(r, kind) for r in res.results]
-        predicted = Run(name, sim_recs, wall_s=res.summary.duration_s).summary(sla)
+        wan = int(sum(r.wan_bytes for r in res.results))
+        predicted = Run(name, sim_recs, res.summary.duration_s, wan).summary(sla)
         measured = {**Run(name, recs).summary(sla), **live.get("summaries", {}).get(name, {})}
         metrics = compared(kind)
         errors = prediction_error(
