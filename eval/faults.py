@@ -122,6 +122,8 @@ def call(url: str, ids: list[int], max_new: int) -> Outcome:
         reason = f"stream error: {final['error'].get('message')}"
         return Outcome("failed", got.ttft_s, reason=reason)
     finish = (final.get("meta_info") or {}).get("finish_reason") or {}
+    if finish.get("type") == "abort" and finish.get("message"):
+        return Outcome("failed", got.ttft_s, reason=f"stream aborted: {finish['message']}")
     if finish.get("type") not in ("length", "stop"):
         return Outcome("lost", got.ttft_s, reason=f"stream ended without a finish: {finish}")
     path = ((final.get("meta_info") or {}).get("pdd") or {}).get("path")

@@ -74,6 +74,9 @@ class NativeFormatter:
         return final
 
     def stream_chunk(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        finish = (chunk.get("meta_info") or {}).get("finish_reason") or {}
+        if finish.get("type") == "abort" and finish.get("message"):
+            return [self.failure(chunk)]  # a stream that fails midway says so, as JSON does
         return [chunk]
 
     def stream_end(self) -> list[dict[str, Any]]:

@@ -1,0 +1,28 @@
+"""`python -m pdd.eval faults`, short: a WAN cut, an MD kill and an RLD kill under load on the
+testbed (tiny model, real servers). No request may be lost or wrong, and the deployment serves
+again afterwards; failures must carry a reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pdd.eval.__main__ import main
+from tests.marks import needs_root
+
+
+@needs_root
+def test_faults_lose_nothing(tiny_model: Path, tmp_path: Path) -> None:
+    rc = main(["faults", "--model", str(tiny_model), "--requests", "16", "--concurrency", "4",
+               "--scenarios", "cut,md-kill,rld-kill", "--fault-s", "4", "--net", "10.233",
+               "--out", str(tmp_path)])  # fmt: skip
+    data = json.loads((tmp_path / "faults.json").read_text())
+    rows = {r["scenario"]: r for r in data["rows"]}
+    assert list(rows) == ["cut", "md-kill", "rld-kill"]
+    for name, row in rows.items():
+        assert row["sent"] == 16 and row["completed"] + row["failed"] == 16, row
+        assert row["lost"] == 0 and row["wrong"] == 0 and row["recovered"], row
+        assert row["completed"] >= 8, row  # most requests are not in flight at the fault
+        for outcome in data["outcomes"][name]:
+            assert outcome["kind"] != "failed" or len(outcome["reason"]) > 10, outcome
+    assert rc == 0
