@@ -639,3 +639,43 @@ def test_live_errors_reach_the_client_as_openai_errors(live: Live) -> None:
         api.completions.create(
             model=MODEL, prompt=list(range(live.max_prompt_tokens + 1)), max_tokens=2
         )
+
+
+def test_requests_beyond_max_active_get_503_with_retry_after() -> None:
+    """Admission control: with every slot taken, a request is refused at once, with a reason."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from pdd.router.app import make_app
+
+    async def hang(request: web.Request) -> web.Response:
+        await asyncio.sleep(30)  # P never finishes: the first request keeps its slot
+        return web.json_response({})
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def run() -> tuple[int, str | None, dict, float]:
+        slow = web.Application()
+        slow.router.add_post("/generate", hang)
+        slow.router.add_get("/ping", ok)
+        slow.router.add_post("/abort_request", ok)
+        async with TestServer(slow) as backend:
+            url = str(backend.make_url("")).rstrip("/")
+            config = RouterConfig(prefill=(PrefillTarget(url, 9),), relay=(RelayTarget(url),),
+                                  path="relay", max_active=1)  # fmt: skip
+            body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+            async with TestClient(TestServer(make_app(config))) as client:
+                first = asyncio.create_task(client.post("/generate", json=body))
+                await asyncio.sleep(0.5)
+                start = asyncio.get_running_loop().time()
+                resp = await client.post("/generate", json=body)
+                took = asyncio.get_running_loop().time() - start
+                answer = (resp.status, resp.headers.get("Retry-After"), await resp.json(), took)
+                first.cancel()
+                return answer
+
+    status, retry_after, body, took = asyncio.run(run())
+    assert status == 503 and retry_after == "1", (status, body)
+    assert "router at capacity (1 requests in flight)" in body["error"]["message"]
+    assert took < 2.0

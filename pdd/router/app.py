@@ -40,6 +40,7 @@ TOKENIZE = web.AppKey("tokenize", ThreadPoolExecutor)
 # Instances a path needs, to refuse a request the router cannot serve with a clear reason.
 NEEDS = {"pdd": ("relay", "main"), "relay": ("relay",), "main": ("main",)}
 RETRIES = 2  # new plans for a request whose instances refused the connection
+OVERLOAD_RETRY_AFTER_S = 1  # what an over-capacity 503 tells clients to wait
 
 
 def error_response(status: int, message: str) -> web.Response:
@@ -106,6 +107,13 @@ async def serve(
     the request planned again on what is left: a dead server costs no request."""
     formatter = formatter or NativeFormatter()
     config = request.app[CONFIG]
+    ctx = request.app[CTX]
+    if ctx.metrics.active >= config.max_active:
+        ctx.metrics.inc("errors_total", kind="overloaded")
+        message = f"router at capacity ({config.max_active} requests in flight); retry shortly"
+        response = _error(formatter, 503, message)
+        response.headers["Retry-After"] = str(OVERLOAD_RETRY_AFTER_S)
+        return response
     if parsed.path is not None:
         missing = [tier for tier in NEEDS[parsed.path] if not getattr(config, tier)]
         if missing:

@@ -103,10 +103,15 @@ class RouterConfig:
     wan_mbit: float | None = None  # a first guess of the WAN's bandwidth, until measured
     prefill_index_blocks: int = 200_000  # 16-token blocks the router remembers per P
     prefix_slack: int = 2  # requests more than the least loaded that a better prefix may cost
+    # Admission control: requests beyond this many in flight get 503 and Retry-After at once,
+    # instead of queueing without bound behind the servers' own queues.
+    max_active: int = 1024
 
     def __post_init__(self) -> None:
         if not self.prefill:
             raise ValueError("at least one --prefill instance is needed")
+        if self.max_active < 1:
+            raise ValueError("--max-active must be at least 1")
         name, limit = self.served_model_name, self.max_prompt_tokens
         if self.tokenizer is None and (name, limit) != (None, None):
             raise ValueError("--served-model-name and --max-prompt-tokens need --tokenizer")
@@ -191,6 +196,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=int,
         default=32,
         help="auto: an RLD with this many requests takes no new one (they go P->MD)",
+    )
+    add(
+        "--max-active",
+        type=int,
+        default=1024,
+        help="admission control: requests in flight beyond this get 503 with Retry-After",
     )
     add(
         "--relay-only-max-load",
@@ -330,4 +341,5 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_interval_s=args.health_interval,
         wan_mbit=args.wan_mbit,
         prefix_slack=args.prefix_slack,
+        max_active=args.max_active,
     )
