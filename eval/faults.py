@@ -14,8 +14,11 @@ through the router at a fixed concurrency and injects its fault once a third of 
 Every request ends in one of: completed (its tokens are compared with the colocated server's),
 failed with a clear error (an HTTP error or an error event that says why), or lost (no answer
 within the client's timeout, a broken connection, or a stream that stopped without a reason).
-Prints a table (sent, completed, failed, lost, wrong outputs, throughput, TTFT P99, the commonest
-error) and writes JSON and markdown to --out. Exits 1 if any request was lost or wrong.
+After each scenario a request must complete again (recovered) and every server must go idle,
+all its KV freed, within 120 s (released: the router's timeouts end what the fault stranded).
+Prints a table (sent, completed, failed, lost, wrong outputs, throughput, TTFT P99, recovered,
+released, the commonest error) and writes JSON and markdown to --out. Exits 1 if any request
+was lost or wrong, or the deployment did not recover or release.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from pdd.launch.wan import LinkParams
 
 SCENARIOS = ("none", "cut", "collapse", "md-kill", "rld-kill", "p-kill")
 CLIENT_TIMEOUT_S = 180.0
+RELEASE_WAIT_S = 120.0  # > the router's ready timeout (60 s), which ends stranded transfers
 
 
 @dataclass
@@ -64,6 +68,7 @@ class Result:
     wall_s: float = 0.0
     fault_at_s: float | None = None
     recovered: bool = True  # a request after the fault completed
+    released: bool = True  # every server went idle (all KV freed) within RELEASE_WAIT_S after
 
     def count(self, kind: str) -> int:
         return sum(o.kind == kind for o in self.outcomes)
@@ -82,6 +87,7 @@ class Result:
             "rps": len(done) / max(self.wall_s, 1e-9),
             "ttft_p99": percentile(ttft, 99),
             "recovered": self.recovered,
+            "released": self.released,
             "top_error": reasons.most_common(1)[0][0][:120] if reasons else "",
         }
 
@@ -193,12 +199,20 @@ def run_scenario(
     # After the fault: the deployment serves again (the router avoids or re-admits instances).
     after = call(pdd.url, prompts[0], outputs[0])
     result.recovered = after.kind == "completed" and after.output == refs[0]
+    # Nothing is left behind: every server goes idle (its timeouts release what the fault
+    # stranded), which a flush proves; the next scenario then starts with cold caches.
+    for server in pdd.servers():
+        try:
+            flush_cache(server.url, RELEASE_WAIT_S)
+        except (RuntimeError, OSError) as err:
+            result.released = False
+            print(f"[{scenario}] {server.name} still busy {RELEASE_WAIT_S:g}s later: {err}")
     return result
 
 
 def table(rows: list[dict[str, object]]) -> str:
     cols = ["scenario", "sent", "completed", "failed", "lost", "wrong", "rps", "ttft_p99",
-            "recovered", "top_error"]  # fmt: skip
+            "recovered", "released", "top_error"]  # fmt: skip
     lines = ["| " + " | ".join(cols) + " |", "| --- " * len(cols) + "|"]
     for r in rows:
         cells = [f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
@@ -242,8 +256,6 @@ def main(argv: list[str] | None = None) -> int:
             "temperature": 0, "max_new_tokens": o, "ignore_eos": True}})["output_ids"]
             for p, o in zip(prompts, outputs, strict=True)]  # fmt: skip
         for scenario in scenarios:
-            for server in pdd.servers():  # every scenario starts cold
-                flush_cache(server.url)
             results.append(run_scenario(scenario, tb, pdd, prompts, outputs, refs, args))
             print(table([results[-1].row()]), flush=True)
     finally:
@@ -263,4 +275,5 @@ def main(argv: list[str] | None = None) -> int:
                          for r in results}}  # fmt: skip
     (args.out / "faults.json").write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {args.out}/faults.md and faults.json")
-    return 1 if any(r["lost"] or r["wrong"] or not r["recovered"] for r in rows) else 0
+    bad = [r for r in rows if r["lost"] or r["wrong"] or not r["recovered"] or not r["released"]]
+    return 1 if bad else 0

@@ -22,6 +22,7 @@ def test_faults_lose_nothing(tiny_model: Path, tmp_path: Path) -> None:
     for name, row in rows.items():
         assert row["sent"] == 16 and row["completed"] + row["failed"] == 16, row
         assert row["lost"] == 0 and row["wrong"] == 0 and row["recovered"], row
+        assert row["released"], row  # every server idle again: no KV stranded by the fault
         assert row["completed"] >= 8, row  # most requests are not in flight at the fault
         for outcome in data["outcomes"][name]:
             assert outcome["kind"] != "failed" or len(outcome["reason"]) > 10, outcome
