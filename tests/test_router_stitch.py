@@ -149,6 +149,11 @@ def test_sse_parser_split_anywhere() -> None:
     # A long cumulative chunk is one event, however big.
     big = {"output_ids": list(range(100_000))}
     assert SSEParser().feed(encode_event(big)) == [big]
+    # Text a model produced may hold characters other line splitters break at; JSON writers
+    # such as orjson (SGLang's) leave them raw inside strings.
+    odd = {"text": "a\u2028b\u2029c\x85d\x1ce\x0bf", "output_ids": [1]}
+    raw_odd = b"data: " + json.dumps(odd, ensure_ascii=False).encode() + b"\n\n"
+    assert SSEParser().feed(raw_odd) == [odd]
     with pytest.raises(SSEError):
         SSEParser().feed(b"data: {nope\n\n")
     with pytest.raises(SSEError):

@@ -5,9 +5,11 @@ output can exceed any line buffer)."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 DONE = "[DONE]"
+_LINE_END = re.compile(r"\r\n|\r|\n")
 MAX_EVENT_BYTES = 64 << 20
 
 
@@ -46,7 +48,9 @@ class SSEParser:
 
     @staticmethod
     def _parse(raw: bytes) -> dict | str | None:
-        lines = raw.decode("utf-8", errors="replace").splitlines()
+        # SSE lines end only at CR, LF or CRLF; str.splitlines would also split at U+2028,
+        # U+0085 and the like, which JSON writers (orjson) leave raw inside strings.
+        lines = _LINE_END.split(raw.decode("utf-8", errors="replace"))
         data = [ln[5:].lstrip(" ") for ln in lines if ln.startswith("data:")]
         if not data:
             return None  # comments and keep-alives
