@@ -466,6 +466,7 @@ def fake_sglang() -> Any:
     app = web.Application()
     app.router.add_post("/generate", generate)
     app.router.add_get("/health", ok)
+    app.router.add_get("/ping", ok)  # the router's health check: without it, RLD goes down
     app.router.add_post("/abort_request", ok)
     return app
 
