@@ -42,6 +42,7 @@ from pdd.router.tokenizer import (
     load_tokenizer,
     to_token_ids,
 )
+from tests.aio_apps import ok_routes, serving
 
 MODEL = "tiny-pdd"
 MESSAGES: list[Any] = [{"role": "user", "content": "Say something about decoding."}]
@@ -460,51 +461,26 @@ def fake_sglang() -> Any:
         await resp.write(encode_event(DONE))
         return resp
 
-    async def ok(request: web.Request) -> web.Response:
-        return web.json_response({})
-
     app = web.Application()
     app.router.add_post("/generate", generate)
-    app.router.add_get("/health", ok)
-    app.router.add_get("/ping", ok)  # the router's health check: without it, RLD goes down
-    app.router.add_post("/abort_request", ok)
+    ok_routes(app)
     return app
 
 
 @pytest.fixture(scope="module")
 def fake_router() -> Iterator[str]:
     """The real router app in front of fake_sglang(), both on a loop in a thread."""
-    import threading
-
-    from aiohttp import web
-
     from pdd.launch.process import free_port
     from pdd.router.app import make_app
 
-    loop = asyncio.new_event_loop()
     ports = free_port(), free_port()
     fake = f"http://127.0.0.1:{ports[0]}"
     config = RouterConfig(
         prefill=(PrefillTarget(fake, 9),), relay=(RelayTarget(fake),), path="relay",
         port=ports[1], tokenizer=model_dir(), served_model_name=MODEL,
     )  # fmt: skip
-    runners = [web.AppRunner(fake_sglang()), web.AppRunner(make_app(config))]
-
-    async def up() -> None:
-        for runner, port in zip(runners, ports, strict=True):
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    asyncio.run_coroutine_threadsafe(up(), loop).result(60)
-    try:
+    with serving([(fake_sglang(), ports[0]), (make_app(config), ports[1])]):
         yield f"http://127.0.0.1:{ports[1]}"
-    finally:
-        for runner in reversed(runners):
-            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
 
 
 def test_openai_client_through_the_router(fake_router: str) -> None:

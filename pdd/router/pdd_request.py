@@ -551,10 +551,31 @@ class PddRequest:
         """RLD answered alone, but P is already sending MD the prompt's KV: MD caches it when it
         lands (CANCEL before READY is remembered) instead of the transfer being aborted, so MD's
         tree gets every prompt P's tree gets and the next turn hits on both sides. The P and MD
-        calls run on by themselves and end when MD drops the request."""
+        calls run on by themselves, until the ready deadline at most: a transfer that a fault
+        broke on one side only (MD gave up, P still waits to be bootstrapped) is aborted on both
+        so neither holds KV until SGLang's own 300 s timeouts."""
         n = self.ctx.send(self.main_addr, Cancel(self.rid, _cut(reason)))
         self.meta.control_bytes += n
         self._release("main")
+        left = self.t0 + self.cfg.timeouts.ready - time.monotonic()
+        self.ctx.spawn(self._end_kept_transfer(max(left, 1.0)))
+
+    async def _end_kept_transfer(self, within_s: float) -> None:
+        calls = [t for n in ("main", "p2") if (t := self.tasks.get(n)) is not None]
+        if not calls:
+            return
+        _, pending = await asyncio.wait(calls, timeout=within_s)
+        if not pending:
+            return
+        logger.warning("request %s: the kept prompt transfer to MD did not end in time", self.rid)
+        self.ctx.metrics.inc("errors_total", kind="kept_transfer_timeout")
+        for task in calls:
+            task.cancel()
+        timeouts = self.cfg.timeouts
+        await asyncio.gather(
+            abort_request(self.ctx.session, self.main_url, self.rid, timeouts),
+            abort_request(self.ctx.session, self.prefill_url, f"{self.rid}-p2", timeouts),
+        )
 
     def _cancel_md(self, reason: str) -> None:
         n = self.ctx.send(self.main_addr, Cancel(self.rid, _cut(reason)))
