@@ -1,7 +1,8 @@
 """Faults under load on the testbed: nothing is lost, nothing is wrong.
 
     python -m pdd.eval faults [--requests 300] [--concurrency 16] [--scenarios none,cut,...]
-                              [--rate-mbit 8] [--delay-ms 20] [--out runs/faults]
+                              [--rate-mbit 8] [--delay-ms 20] [--dtype float32]
+                              [--out runs/faults]
 
 Needs root. Brings up its own testbed (name `pddfault`), one PDD deployment on it (P and RLD in
 A, MD in B, the router in A, the router's automatic path policy) and a colocated reference
@@ -11,9 +12,12 @@ through the router at a fixed concurrency and injects its fault once a third of 
 - cut: the WAN drops everything both ways for `--fault-s` seconds;
 - collapse: the WAN falls to 1% of its rate for 2 x `--fault-s` seconds;
 - md-kill / rld-kill / p-kill: that server is killed, and started again `--fault-s` seconds later.
-Every request ends in one of: completed (its tokens are compared with the colocated server's),
-failed with a clear error (an HTTP error or an error event that says why), or lost (no answer
-within the client's timeout, a broken connection, or a stream that stopped without a reason).
+Every request ends in one of: completed (its tokens are compared with the colocated server's;
+a wrong one is printed with where it first differs), failed with a clear error (an HTTP error or
+an error event that says why), or lost (no answer within the client's timeout, a broken
+connection, or a stream that stopped without a reason). All servers run in float32 by default:
+in bf16 a greedy near-tie can flip with the batch a request shares, which the colocated
+reference (one request at a time) does not see.
 After each scenario a request must complete again (recovered) and every server must go idle,
 all its KV freed, within 120 s (released: the router's timeouts end what the fault stranded).
 Prints a table (sent, completed, failed, lost, wrong outputs, throughput, TTFT P99, recovered,
@@ -58,13 +62,22 @@ class Outcome:
     output: list[int] | None = None
     reason: str = ""
     path: str | None = None
+    index: int = -1  # the request's position in the replay
+    diverged_at: int | None = None  # a completed output's first token unlike colocated's
+
+
+def first_difference(got: list[int], want: list[int]) -> int | None:
+    """The first position where two outputs differ (a length difference counts), else None."""
+    for i, (a, b) in enumerate(zip(got, want, strict=False)):
+        if a != b:
+            return i
+    return None if len(got) == len(want) else min(len(got), len(want))
 
 
 @dataclass
 class Result:
     scenario: str
     outcomes: list[Outcome] = field(default_factory=list)
-    wrong: int = 0
     wall_s: float = 0.0
     fault_at_s: float | None = None
     recovered: bool = True  # a request after the fault completed
@@ -72,6 +85,10 @@ class Result:
 
     def count(self, kind: str) -> int:
         return sum(o.kind == kind for o in self.outcomes)
+
+    @property
+    def wrong(self) -> int:
+        return sum(o.diverged_at is not None for o in self.outcomes)
 
     def row(self) -> dict[str, object]:
         done = [o for o in self.outcomes if o.kind == "completed"]
@@ -193,9 +210,13 @@ def run_scenario(
     result.wall_s = time.monotonic() - start
     for res in results:
         outcome = res.value if res.ok else Outcome("lost", reason=res.error or "no result")
+        outcome.index = res.index
         result.outcomes.append(outcome)
-        if outcome.kind == "completed" and outcome.output != refs[res.index]:
-            result.wrong += 1
+        if outcome.kind == "completed" and outcome.output is not None:
+            outcome.diverged_at = first_difference(outcome.output, refs[res.index])
+        if outcome.diverged_at is not None:
+            print(f"[{scenario}] request {res.index} ({outcome.path}) differs from the colocated "
+                  f"output from token {outcome.diverged_at} of {len(refs[res.index])}")  # fmt: skip
     # After the fault: the deployment serves again (the router avoids or re-admits instances).
     after = call(pdd.url, prompts[0], outputs[0])
     result.recovered = after.kind == "completed" and after.output == refs[0]
@@ -230,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one way")
     parser.add_argument("--fault-s", type=float, default=6.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", help="every server's (see above)")
     parser.add_argument("--net", default="10.231", help="the testbed's first two octets")
     parser.add_argument("--out", type=Path, default=Path("runs/faults"))
     args = parser.parse_args(argv)
@@ -244,8 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     tb = Testbed("pddfault", LinkParams(args.rate_mbit, args.delay_ms), net=args.net)
     tb.down()
     tb.up()
-    reference = SGLangServer("colocated", args.model, free_port(), args.out, tb.placement("a"))
-    pdd = PDDDeployment.create(args.model, args.out, tb.placement("a"), tb.placement("b"))
+    dtype = ("--dtype", args.dtype)
+    reference = SGLangServer("colocated", args.model, free_port(), args.out, tb.placement("a"),
+                             extra_args=list(dtype))  # fmt: skip
+    pdd = PDDDeployment.create(args.model, args.out, tb.placement("a"), tb.placement("b"),
+                               server_args=dtype)  # fmt: skip
     results: list[Result] = []
     try:
         reference.start()
@@ -265,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         tb.down()
 
     rows = [r.row() for r in results]
-    title = (f"{len(prompts)} requests at concurrency {args.concurrency}, {args.model.name}, "
+    title = (f"{len(prompts)} requests at concurrency {args.concurrency}, {args.model.name} "
+             f"({args.dtype}), "
              f"WAN {args.rate_mbit:g} Mbit/s, RTT {2 * args.delay_ms:g} ms, faults "
              f"{args.fault_s:g}s")  # fmt: skip
     print(f"\n{title}\n{table(rows)}")

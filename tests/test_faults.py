@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from pdd.eval.__main__ import main
+from pdd.eval.faults import first_difference
 from tests.marks import needs_root
 
 
@@ -27,3 +28,10 @@ def test_faults_lose_nothing(tiny_model: Path, tmp_path: Path) -> None:
         for outcome in data["outcomes"][name]:
             assert outcome["kind"] != "failed" or len(outcome["reason"]) > 10, outcome
     assert rc == 0
+
+
+def test_first_difference() -> None:
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 5, 3], [1, 2, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2  # a shorter output is wrong too
+    assert first_difference([], []) is None

@@ -75,4 +75,4 @@ def test_a_kept_transfer_that_never_ends_is_aborted_on_p_and_md() -> None:
             time.sleep(0.1)
         assert aborted["prefill"] == [f"{rid}-p2"] and aborted["main"] == [rid]
         with urllib.request.urlopen(f"{url['router']}/metrics", timeout=10) as r:
-            assert 'kind="kept_transfer_timeout"' in r.read().decode()
+            assert 'timeouts_total{wait="kept_transfer"} 1' in r.read().decode()

@@ -234,6 +234,8 @@ def test_md_not_ready_in_time_leaves_the_request_to_relay(
     pdd = got["meta_info"]["pdd"]
     assert pdd["path"] == "P->RLD" and pdd["md_failure"] == "MD not ready within 1s"
     assert "prefill_md_sent" not in pdd["timings"]  # P never had to feed MD
+    metrics = urllib.request.urlopen(f"{deployment.slow_main.url}/metrics").read().decode()
+    assert 'pdd_router_timeouts_total{wait="ready"} 1' in metrics  # the wait that ran out
     # MD dropped the request it was waiting for: handoffs through MD still work.
     again = through(deployment.router, prompts()[0], "pdd")
     assert again["output_ids"] == reference[0]

@@ -15,6 +15,8 @@ HELP = {
     "catchup_chunks_total": "Catch-Up chunks sent to MD",
     "md_cancels_total": "Requests MD was told to drop, by reason",
     "errors_total": "Errors by kind",
+    "timeouts_total": "Waits that ran out, by what was awaited (a tier's call, MD's READY or "
+    "ACK, the whole request, a kept transfer to MD)",
     "prefix_cached_tokens_total": "Prompt tokens found in the radix cache, by side (P or MD)",
     "prefix_prompt_tokens_total": "Prompt tokens looked up in the radix cache, by side",
 }

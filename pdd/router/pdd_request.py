@@ -152,10 +152,13 @@ class PddRequest:
 
     # --- set-up ------------------------------------------------------------------------------
 
-    def _unreachable(self, tier: str, err: UpstreamError) -> None:
-        """A refused connection marks the instance down now, not at the next health check."""
+    def _upstream_failed(self, tier: str, err: UpstreamError) -> None:
+        """A refused connection marks the instance down now, not at the next health check; a
+        call that timed out is counted by tier."""
         if err.status == 503 and tier in self.held:
             self.ctx.health.mark_down(tier, self.held[tier], err.reason)
+        if err.status == 504:
+            self.ctx.metrics.inc("timeouts_total", wait=tier)
 
     def _acquire(self, tier: str, i: int | None) -> int:
         assert i is not None, f"the plan has no {tier} instance"
@@ -240,7 +243,7 @@ class PddRequest:
                 cached = cached if isinstance(cached, int) else None
                 self.events.put_nowait(PrefillDone(which, None, cached))
             except UpstreamError as err:
-                self._unreachable("prefill", err)
+                self._upstream_failed("prefill", err)
                 self.events.put_nowait(PrefillDone(which, err))
             except Exception as err:  # a bug here must end the request, not hang it
                 logger.exception("request %s: prefill call failed", self.rid)
@@ -259,7 +262,7 @@ class PddRequest:
                     self.events.put_nowait(StreamChunk(source, chunk))
                 self.events.put_nowait(StreamEnd(source, None))
             except UpstreamError as err:
-                self._unreachable(source, err)
+                self._upstream_failed(source, err)
                 self.events.put_nowait(StreamEnd(source, err))
             except Exception as err:
                 logger.exception("request %s: %s stream failed", self.rid, role)
@@ -312,12 +315,16 @@ class PddRequest:
 
     def _on_tick(self) -> list[Output]:
         now = time.monotonic()
-        if now >= self.t0 + self.cfg.timeouts.request:
-            return self._fail(f"request timed out after {self.cfg.timeouts.request:.0f}s", 504)
-        if self.md is MdState.PENDING and now >= self.t0 + self.cfg.timeouts.ready:
-            return self._md_dead(f"MD not ready within {self.cfg.timeouts.ready:g}s", "timeout")
+        timeouts, metrics = self.cfg.timeouts, self.ctx.metrics
+        if now >= self.t0 + timeouts.request:
+            metrics.inc("timeouts_total", wait="request")
+            return self._fail(f"request timed out after {timeouts.request:.0f}s", 504)
+        if self.md is MdState.PENDING and now >= self.t0 + timeouts.ready:
+            metrics.inc("timeouts_total", wait="ready")
+            return self._md_dead(f"MD not ready within {timeouts.ready:g}s", "timeout")
         if self.md is MdState.CATCHUP and self.ack_deadline and now >= self.ack_deadline:
-            return self._md_dead(f"no ACK within {self.cfg.timeouts.ack:g}s", "timeout")
+            metrics.inc("timeouts_total", wait="ack")
+            return self._md_dead(f"no ACK within {timeouts.ack:g}s", "timeout")
         return []
 
     # --- P -----------------------------------------------------------------------------------
@@ -568,7 +575,7 @@ class PddRequest:
         if not pending:
             return
         logger.warning("request %s: the kept prompt transfer to MD did not end in time", self.rid)
-        self.ctx.metrics.inc("errors_total", kind="kept_transfer_timeout")
+        self.ctx.metrics.inc("timeouts_total", wait="kept_transfer")
         for task in calls:
             task.cancel()
         timeouts = self.cfg.timeouts

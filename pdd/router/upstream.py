@@ -36,8 +36,8 @@ def _wrap(role: str, url: str, err: BaseException) -> UpstreamError:
         return err
     if isinstance(err, aiohttp.ClientConnectorError):
         return UpstreamError(503, f"{role} {url} unreachable: {err}")
-    if isinstance(err, asyncio.TimeoutError):
-        return UpstreamError(504, f"{role} {url} timed out")
+    if isinstance(err, asyncio.TimeoutError):  # aiohttp's say which wait: connect, read, total
+        return UpstreamError(504, f"{role} {url} timed out: {err!r}")
     return UpstreamError(502, f"{role} {url} failed: {err!r}")
 
 
