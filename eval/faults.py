@@ -11,7 +11,9 @@ through the router at a fixed concurrency and injects its fault once a third of 
 - none: no fault (the baseline);
 - cut: the WAN drops everything both ways for `--fault-s` seconds;
 - collapse: the WAN falls to 1% of its rate for 2 x `--fault-s` seconds;
-- md-kill / rld-kill / p-kill: that server is killed, and started again `--fault-s` seconds later.
+- md-kill / rld-kill / p-kill: that server is killed, and started again `--fault-s` seconds later;
+- overload: no fault, but 4 x `--concurrency` clients against a router that admits 2 x (its
+  `--max-active`): the rest get 503 with Retry-After, and retry after it (counted as refused).
 Every request ends in one of: completed (its tokens are compared with the colocated server's;
 a wrong one is printed with where it first differs), failed with a clear error (an HTTP error or
 an error event that says why), or lost (no answer within the client's timeout, a broken
@@ -20,9 +22,10 @@ in bf16 a greedy near-tie can flip with the batch a request shares, which the co
 reference (one request at a time) does not see.
 After each scenario a request must complete again (recovered) and every server must go idle,
 all its KV freed, within 120 s (released: the router's timeouts end what the fault stranded).
-Prints a table (sent, completed, failed, lost, wrong outputs, throughput, TTFT P99, recovered,
-released, the commonest error) and writes JSON and markdown to --out. Exits 1 if any request
-was lost or wrong, or the deployment did not recover or release.
+Prints a table (sent, completed, failed, lost, wrong outputs, 503s, throughput, TTFT P99 from
+a request's first attempt, recovered, released, the commonest error) and writes JSON and
+markdown to --out. Exits 1 if any request was lost or wrong, or the deployment did not recover
+or release.
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ from pdd.launch.servers import SGLangServer
 from pdd.launch.testbed import Testbed
 from pdd.launch.wan import LinkParams
 
-SCENARIOS = ("none", "cut", "collapse", "md-kill", "rld-kill", "p-kill")
+SCENARIOS = ("none", "cut", "collapse", "md-kill", "rld-kill", "p-kill", "overload")
+OVERLOAD_X = 4  # the overload scenario's concurrency, in multiples of --concurrency
+MAX_ACTIVE_X = 2  # the router's --max-active, in multiples of --concurrency
 CLIENT_TIMEOUT_S = 180.0
 RELEASE_WAIT_S = 120.0  # > the router's ready timeout (60 s), which ends stranded transfers
 
@@ -64,6 +69,9 @@ class Outcome:
     path: str | None = None
     index: int = -1  # the request's position in the replay
     diverged_at: int | None = None  # a completed output's first token unlike colocated's
+    refused: int = 0  # 503s (admission control) before the answer
+    attempt_s: float = 0.0  # the last attempt's duration
+    retry_after_s: float | None = None  # set on a 503 that asks to retry
 
 
 def first_difference(got: list[int], want: list[int]) -> int | None:
@@ -101,6 +109,7 @@ class Result:
             "failed": self.count("failed"),
             "lost": self.count("lost"),
             "wrong": self.wrong,
+            "refused": sum(o.refused for o in self.outcomes),
             "rps": len(done) / max(self.wall_s, 1e-9),
             "ttft_p99": percentile(ttft, 99),
             "recovered": self.recovered,
@@ -127,30 +136,60 @@ def requests_for(n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[i
 
 
 def call(url: str, ids: list[int], max_new: int) -> Outcome:
+    """One request, as a well-behaved client sends it: a 503 with Retry-After (the router's
+    admission control) is retried after that long, until the client's timeout."""
+    start = time.monotonic()
+    refused = 0
+    while True:
+        outcome = call_once(url, ids, max_new, CLIENT_TIMEOUT_S - (time.monotonic() - start))
+        if outcome.retry_after_s is None:
+            break
+        refused += 1
+        if time.monotonic() - start + outcome.retry_after_s >= CLIENT_TIMEOUT_S:
+            outcome.kind = "failed"
+            break
+        time.sleep(outcome.retry_after_s)
+    waited = time.monotonic() - start
+    if outcome.ttft_s is not None:  # from the first attempt, as the client sees it
+        outcome.ttft_s += waited - outcome.attempt_s
+    outcome.refused, outcome.retry_after_s = refused, None
+    return outcome
+
+
+def call_once(url: str, ids: list[int], max_new: int, timeout: float) -> Outcome:
     sampling = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+    start = time.monotonic()
     try:
         got = stream_generate(url, {"input_ids": ids, "sampling_params": sampling},
-                              timeout=CLIENT_TIMEOUT_S)  # fmt: skip
+                              timeout=max(timeout, 1.0))  # fmt: skip
     except urllib.error.HTTPError as err:
         body = err.read().decode(errors="replace")
         try:
             message = json.loads(body)["error"]["message"]
         except (ValueError, KeyError, TypeError):
             return Outcome("lost", reason=f"HTTP {err.code} without a reason: {body[:200]}")
-        return Outcome("failed", reason=f"HTTP {err.code}: {message}")
+        outcome = Outcome("failed", reason=f"HTTP {err.code}: {message}")
+        retry_after = err.headers.get("Retry-After")
+        if err.code == 503 and retry_after is not None:
+            outcome.retry_after_s = float(retry_after)
+        return outcome
     except (OSError, RuntimeError, ValueError) as err:  # timeout, reset, no chunk
         return Outcome("lost", reason=f"{type(err).__name__}: {err}")
+    attempt_s = time.monotonic() - start
     final = got.final
     if "error" in final:
         reason = f"stream error: {final['error'].get('message')}"
-        return Outcome("failed", got.ttft_s, reason=reason)
+        return Outcome("failed", got.ttft_s, reason=reason, attempt_s=attempt_s)
     finish = (final.get("meta_info") or {}).get("finish_reason") or {}
     if finish.get("type") == "abort" and finish.get("message"):
-        return Outcome("failed", got.ttft_s, reason=f"stream aborted: {finish['message']}")
+        reason = f"stream aborted: {finish['message']}"
+        return Outcome("failed", got.ttft_s, reason=reason, attempt_s=attempt_s)
     if finish.get("type") not in ("length", "stop"):
-        return Outcome("lost", got.ttft_s, reason=f"stream ended without a finish: {finish}")
+        reason = f"stream ended without a finish: {finish}"
+        return Outcome("lost", got.ttft_s, reason=reason, attempt_s=attempt_s)
     path = ((final.get("meta_info") or {}).get("pdd") or {}).get("path")
-    return Outcome("completed", got.ttft_s, list(final["output_ids"]), path=path)
+    output = list(final["output_ids"])
+    return Outcome("completed", got.ttft_s, output, path=path, attempt_s=attempt_s)
 
 
 def inject(scenario: str, tb: Testbed, pdd: PDDDeployment, fault_s: float) -> None:
@@ -194,7 +233,7 @@ def run_scenario(
         return outcome
 
     def fault() -> None:
-        if scenario == "none" or not done.wait(CLIENT_TIMEOUT_S * 4):
+        if scenario in ("none", "overload") or not done.wait(CLIENT_TIMEOUT_S * 4):
             return
         result.fault_at_s = time.monotonic() - start
         print(f"[{scenario}] injecting the fault at {result.fault_at_s:.1f}s", flush=True)
@@ -203,7 +242,8 @@ def run_scenario(
 
     injector = threading.Thread(target=fault, daemon=True)
     injector.start()
-    results = replay(trace, send, concurrency=args.concurrency, timeout_s=CLIENT_TIMEOUT_S + 30,
+    concurrency = args.concurrency * (OVERLOAD_X if scenario == "overload" else 1)
+    results = replay(trace, send, concurrency=concurrency, timeout_s=CLIENT_TIMEOUT_S + 30,
                      progress_every=max(1, len(trace) // 10),
                      log=lambda line: print(f"[{scenario}] {line}", flush=True))  # fmt: skip
     injector.join(CLIENT_TIMEOUT_S * 4)
@@ -232,8 +272,8 @@ def run_scenario(
 
 
 def table(rows: list[dict[str, object]]) -> str:
-    cols = ["scenario", "sent", "completed", "failed", "lost", "wrong", "rps", "ttft_p99",
-            "recovered", "released", "top_error"]  # fmt: skip
+    cols = ["scenario", "sent", "completed", "failed", "lost", "wrong", "refused", "rps",
+            "ttft_p99", "recovered", "released", "top_error"]  # fmt: skip
     lines = ["| " + " | ".join(cols) + " |", "| --- " * len(cols) + "|"]
     for r in rows:
         cells = [f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
@@ -269,8 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = ("--dtype", args.dtype)
     reference = SGLangServer("colocated", args.model, free_port(), args.out, tb.placement("a"),
                              extra_args=list(dtype))  # fmt: skip
+    max_active = ("--max-active", str(MAX_ACTIVE_X * args.concurrency))
     pdd = PDDDeployment.create(args.model, args.out, tb.placement("a"), tb.placement("b"),
-                               server_args=dtype)  # fmt: skip
+                               server_args=dtype, router_args=max_active)  # fmt: skip
     results: list[Result] = []
     try:
         reference.start()

@@ -1,6 +1,6 @@
-"""`python -m pdd.eval faults`, short: a WAN cut, an MD kill and an RLD kill under load on the
-testbed (tiny model, real servers). No request may be lost or wrong, and the deployment serves
-again afterwards; failures must carry a reason."""
+"""`python -m pdd.eval faults`, short: a WAN cut, an MD kill, an RLD kill and an overload burst
+on the testbed (tiny model, real servers). No request may be lost or wrong, and the deployment
+serves again afterwards; failures must carry a reason."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from tests.marks import needs_root
 @needs_root
 def test_faults_lose_nothing(tiny_model: Path, tmp_path: Path) -> None:
     rc = main(["faults", "--model", str(tiny_model), "--requests", "16", "--concurrency", "4",
-               "--scenarios", "cut,md-kill,rld-kill", "--fault-s", "4", "--net", "10.233",
+               "--scenarios", "cut,md-kill,rld-kill,overload", "--fault-s", "4", "--net", "10.233",
                "--out", str(tmp_path)])  # fmt: skip
     data = json.loads((tmp_path / "faults.json").read_text())
     rows = {r["scenario"]: r for r in data["rows"]}
-    assert list(rows) == ["cut", "md-kill", "rld-kill"]
+    assert list(rows) == ["cut", "md-kill", "rld-kill", "overload"]
     for name, row in rows.items():
         assert row["sent"] == 16 and row["completed"] + row["failed"] == 16, row
         assert row["lost"] == 0 and row["wrong"] == 0 and row["recovered"], row
@@ -27,6 +27,8 @@ def test_faults_lose_nothing(tiny_model: Path, tmp_path: Path) -> None:
         assert row["completed"] >= 8, row  # most requests are not in flight at the fault
         for outcome in data["outcomes"][name]:
             assert outcome["kind"] != "failed" or len(outcome["reason"]) > 10, outcome
+    # Overload: 16 clients, 8 admitted; the rest are refused with Retry-After and get in later.
+    assert rows["overload"]["refused"] > 0 and rows["overload"]["completed"] == 16, rows
     assert rc == 0
 
 
