@@ -23,9 +23,9 @@ reference (one request at a time) does not see.
 After each scenario a request must complete again (recovered) and every server must go idle,
 all its KV freed, within 120 s (released: the router's timeouts end what the fault stranded).
 Prints a table (sent, completed, failed, lost, wrong outputs, 503s, throughput, TTFT P99 from
-a request's first attempt, recovered, released, the commonest error) and writes JSON and
-markdown to --out. Exits 1 if any request was lost or wrong, or the deployment did not recover
-or release.
+a request's first attempt, recovered, released, the commonest error) and writes JSON, markdown
+and a plot (each request's TTFT against when it was sent, the fault's window shaded) to --out.
+Exits 1 if any request was lost or wrong, or the deployment did not recover or release.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pdd.eval.client import flush_cache, stream_generate
+from pdd.eval.faults_plot import plot_faults
 from pdd.eval.prompts import random_ids
 from pdd.eval.replay import replay
 from pdd.eval.report import percentile
@@ -72,6 +73,7 @@ class Outcome:
     refused: int = 0  # 503s (admission control) before the answer
     attempt_s: float = 0.0  # the last attempt's duration
     retry_after_s: float | None = None  # set on a 503 that asks to retry
+    started_s: float = 0.0  # when the client sent it, from the scenario's start
 
 
 def first_difference(got: list[int], want: list[int]) -> int | None:
@@ -88,6 +90,7 @@ class Result:
     outcomes: list[Outcome] = field(default_factory=list)
     wall_s: float = 0.0
     fault_at_s: float | None = None
+    fault_end_s: float | None = None
     recovered: bool = True  # a request after the fault completed
     released: bool = True  # every server went idle (all KV freed) within RELEASE_WAIT_S after
 
@@ -115,6 +118,7 @@ class Result:
             "recovered": self.recovered,
             "released": self.released,
             "top_error": reasons.most_common(1)[0][0][:120] if reasons else "",
+            "paths": dict(Counter(o.path or "-" for o in done).most_common()),
         }
 
 
@@ -192,19 +196,23 @@ def call_once(url: str, ids: list[int], max_new: int, timeout: float) -> Outcome
     return Outcome("completed", got.ttft_s, output, path=path, attempt_s=attempt_s)
 
 
-def inject(scenario: str, tb: Testbed, pdd: PDDDeployment, fault_s: float) -> None:
-    """Applies the scenario's fault; a killed server is started again after fault_s."""
+def inject(scenario: str, tb: Testbed, pdd: PDDDeployment, fault_s: float) -> float:
+    """Applies the scenario's fault; a killed server is started again after fault_s. Returns
+    how long the fault lasts after this returns."""
     if scenario == "cut":
         tb.wan.cut(seconds=fault_s)
-    elif scenario == "collapse":
+        return fault_s
+    if scenario == "collapse":
         tb.wan.rate(max(tb.link.rate_mbit / 100, 0.05), seconds=2 * fault_s)
-    elif scenario.endswith("-kill"):
+        return 2 * fault_s
+    if scenario.endswith("-kill"):
         server = {"md": pdd.main, "rld": pdd.relay, "p": pdd.prefill}[scenario[: -len("-kill")]]
         assert server.process is not None
         server.process.stop()
         time.sleep(fault_s)
         server.start()
         server.wait_ready()
+    return 0.0
 
 
 def run_scenario(
@@ -225,7 +233,9 @@ def run_scenario(
     start = time.monotonic()
 
     def send(req: TraceRequest) -> Outcome:
+        started = time.monotonic() - start
         outcome = call(pdd.url, prompts[req.id], outputs[req.id])
+        outcome.started_s = started
         with lock:
             finished[0] += 1
             if finished[0] >= len(prompts) // 3:
@@ -237,8 +247,9 @@ def run_scenario(
             return
         result.fault_at_s = time.monotonic() - start
         print(f"[{scenario}] injecting the fault at {result.fault_at_s:.1f}s", flush=True)
-        inject(scenario, tb, pdd, args.fault_s)
-        print(f"[{scenario}] fault over at {time.monotonic() - start:.1f}s", flush=True)
+        lasts = inject(scenario, tb, pdd, args.fault_s)
+        result.fault_end_s = time.monotonic() - start + lasts
+        print(f"[{scenario}] fault over at {result.fault_end_s:.1f}s", flush=True)
 
     injector = threading.Thread(target=fault, daemon=True)
     injector.start()
@@ -323,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
             for p, o in zip(prompts, outputs, strict=True)]  # fmt: skip
         for scenario in scenarios:
             results.append(run_scenario(scenario, tb, pdd, prompts, outputs, refs, args))
-            print(table([results[-1].row()]), flush=True)
+            row = results[-1].row()
+            print(f"{table([row])}\npaths of the completed: {row['paths']}", flush=True)
     finally:
         pdd.down()
         if reference.process is not None:
@@ -341,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             "outcomes": {r.scenario: [asdict(o) | {"output": None} for o in r.outcomes]
                          for r in results}}  # fmt: skip
     (args.out / "faults.json").write_text(json.dumps(data, indent=1) + "\n")
-    print(f"wrote {args.out}/faults.md and faults.json")
+    plot_faults(results, args.out / "faults.png", title)
+    print(f"wrote {args.out}/faults.md, faults.json and faults.png")
     bad = [r for r in rows if r["lost"] or r["wrong"] or not r["recovered"] or not r["released"]]
     return 1 if bad else 0

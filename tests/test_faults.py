@@ -29,6 +29,7 @@ def test_faults_lose_nothing(tiny_model: Path, tmp_path: Path) -> None:
             assert outcome["kind"] != "failed" or len(outcome["reason"]) > 10, outcome
     # Overload: 16 clients, 8 admitted; the rest are refused with Retry-After and get in later.
     assert rows["overload"]["refused"] > 0 and rows["overload"]["completed"] == 16, rows
+    assert (tmp_path / "faults.png").stat().st_size > 10_000
     assert rc == 0
 
 
