@@ -11,7 +11,8 @@ through the router at a fixed concurrency and injects its fault once a third of 
 - none: no fault (the baseline);
 - cut: the WAN drops everything both ways for `--fault-s` seconds;
 - collapse: the WAN falls to 1% of its rate for 2 x `--fault-s` seconds;
-- md-kill / rld-kill / p-kill: that server is killed, and started again `--fault-s` seconds later;
+- md-kill / rld-kill / p-kill: that server crashes (SIGKILL to all its processes: SIGTERM would
+  let SGLang finish its running requests first), and starts again `--fault-s` seconds later;
 - overload: no fault, but 4 x `--concurrency` clients against a router that admits 2 x (its
   `--max-active`): the rest get 503 with Retry-After, and retry after it (counted as refused).
 Every request ends in one of: completed (its tokens are compared with the colocated server's;
@@ -208,7 +209,7 @@ def inject(scenario: str, tb: Testbed, pdd: PDDDeployment, fault_s: float) -> fl
     if scenario.endswith("-kill"):
         server = {"md": pdd.main, "rld": pdd.relay, "p": pdd.prefill}[scenario[: -len("-kill")]]
         assert server.process is not None
-        server.process.stop()
+        server.process.crash()
         time.sleep(fault_s)
         server.start()
         server.wait_ready()

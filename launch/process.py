@@ -163,3 +163,15 @@ class ManagedProcess:
             return
         stop_groups([self.pgid])
         self.popen.wait(timeout=5)
+
+    def crash(self) -> None:
+        """SIGKILL the whole group at once: a crash, with no chance to drain or say goodbye
+        (SGLang finishes its running requests on SIGTERM)."""
+        if self.popen is None:
+            return
+        try:
+            os.killpg(self.pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.wait(timeout=10)
+        stop_groups([self.pgid])  # returns at once unless a child outlived the signal

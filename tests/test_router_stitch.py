@@ -7,6 +7,7 @@ import json
 import pytest
 
 from pdd.router.body import BadRequest, parse_generate
+from pdd.router.resume import resume_body
 from pdd.router.sse import DONE, SSEError, SSEParser, encode_event
 from pdd.router.stitch import Kind, Phase, Stitcher
 
@@ -184,3 +185,30 @@ def test_parse_generate() -> None:
         with pytest.raises(BadRequest, match=reason):
             parse_generate(body)
     json.dumps(ok.body)  # what goes upstream stays JSON
+
+
+def test_resume_on_relay_after_main_failed() -> None:
+    s = Stitcher("x")
+    outs = [s.feed_relay(chunk([1, 2]))]
+    s.handoff()
+    outs.append(s.feed_main(chunk([1, 2, 3], rid="x")))
+    assert s.feed_main({"error": {"message": "MD died"}}).kind is Kind.FAILED
+    s.resume()
+    # The new RLD request's output is only the continuation; the client's grows from [1, 2, 3].
+    outs += [s.feed_relay(chunk([4], rid="x-r2")), s.feed_relay(chunk([4, 5], "length"))]
+    assert [o.new_tokens for o in outs] == [2, 1, 1, 1] and outs[-1].final
+    assert client_tokens(outs) == [1, 2, 3, 4, 5]
+    with pytest.raises(RuntimeError, match="resume in phase done"):
+        s.resume()
+
+
+def test_resume_body() -> None:
+    body = {"input_ids": [7, 8], "sampling_params": {"max_new_tokens": 5, "temperature": 0}}
+    assert resume_body(body, [1, 2]) == {
+        "input_ids": [7, 8, 1, 2],
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+    }
+    assert body["input_ids"] == [7, 8]  # the client's body is left alone
+    assert resume_body({"input_ids": [7]}, [1] * 3)["sampling_params"] == {"max_new_tokens": 125}
+    assert resume_body({"text": "hi"}, [1]) is None  # no ids to extend
+    assert resume_body(body, [1] * 5) is None  # nothing left to generate

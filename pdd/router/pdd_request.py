@@ -20,8 +20,9 @@ from pdd.control.channel import Received
 from pdd.control.messages import Ack, Cancel, Chunk, Error, Handoff, Ready, route_hint
 from pdd.policy.handoff import Step, choose_mode, handoff_tokens, next_step
 from pdd.policy.path import LABELS
-from pdd.router.context import RouterContext
+from pdd.router.context import NoInstance, RouterContext
 from pdd.router.planner import Plan
+from pdd.router.resume import resume_body
 from pdd.router.stitch import Kind, Phase, Stitcher
 from pdd.router.upstream import UpstreamError, abort_request, post_generate, stream_generate
 
@@ -95,6 +96,8 @@ class PddMeta:
     control_bytes: int = 0
     md_failure: str | None = None
     relay_failure: str | None = None
+    # MD failed after it took over and RLD finished the request: the tokens the client had then.
+    resumed_at: int | None = None
     instances: dict[str, str] = field(default_factory=dict)
     # Seconds since the router received the request.
     timings: dict[str, float] = field(default_factory=dict)
@@ -148,6 +151,7 @@ class PddRequest:
         self.closed = False
         self.tasks: dict[str, asyncio.Task[Any]] = {}
         self.held: dict[str, int] = {}  # tier -> instance index
+        self.relay_rid = f"{self.rid}-r"
         self.released: set[str] = set()
 
     # --- set-up ------------------------------------------------------------------------------
@@ -176,10 +180,13 @@ class PddRequest:
     def _mark(self, name: str) -> None:
         self.meta.timings.setdefault(name, round(self._now(), 6))
 
-    def _body(self, *, rid: str, room: int, stream: bool, hints: dict | None = None) -> dict:
+    def _body(
+        self, *, rid: str, room: int, stream: bool, hints: dict | None = None,
+        base: dict | None = None,
+    ) -> dict:  # fmt: skip
         prefill = self.cfg.prefill[self.held["prefill"]]
         body = {
-            **self.body,
+            **(self.body if base is None else base),
             "rid": rid,
             "stream": stream,
             "bootstrap_host": prefill.bootstrap_host,
@@ -201,7 +208,7 @@ class PddRequest:
             self.meta.instances["relay"] = self.relay_url
             self.relay = RelayState.RUNNING
             self._prefill("p", self.room)
-            relay_body = self._body(rid=f"{self.rid}-r", room=self.room, stream=True)
+            relay_body = self._body(rid=self.relay_rid, room=self.room, stream=True)
             self._stream("relay", self.relay_url, relay_body, "RLD")
         if self.path in ("pdd", "main"):
             self._acquire("main", self.plan.main)
@@ -230,8 +237,8 @@ class PddRequest:
     def main_addr(self) -> str:
         return self.cfg.main[self.held["main"]].control_addr
 
-    def _prefill(self, which: str, room: int) -> None:
-        body = self._body(rid=f"{self.rid}-{which}", room=room, stream=False)
+    def _prefill(self, which: str, room: int, base: dict | None = None) -> None:
+        body = self._body(rid=f"{self.rid}-{which}", room=room, stream=False, base=base)
 
         async def run() -> None:
             try:
@@ -337,6 +344,10 @@ class PddRequest:
             if self.md in (MdState.PENDING, MdState.CATCHUP):
                 return self._md_dead(f"prefill for MD failed: {event.error.reason}", "prefill")
             return []
+        if self.meta.resumed_at is not None:  # only the resume's prefill matters now
+            if event.which != "p3" or event.error is None:
+                return []
+            return self._fail(f"prefill to resume on RLD failed: {event.error.reason}", 502)
         if event.error is not None:
             self.ctx.metrics.inc("errors_total", kind="prefill")
             return self._fail(f"prefill failed: {event.error.reason}", event.error.status)
@@ -364,6 +375,9 @@ class PddRequest:
     def _on_relay_chunk(self, chunk: dict[str, Any]) -> list[Output]:
         if self.relay is not RelayState.RUNNING:
             return []
+        meta = chunk.get("meta_info")
+        if isinstance(meta, dict) and meta.get("id", self.relay_rid) != self.relay_rid:
+            return []  # left over from the RLD request before a resume
         fed = self.stitcher.feed_relay(chunk)
         if fed.kind is Kind.FAILED:
             return self._relay_dead(fed.reason, fed.status)
@@ -373,12 +387,15 @@ class PddRequest:
         if not fed.final:
             self._maybe_feed_main()
             return [Output(fed.chunk)]
-        # RLD finished before the handoff: that is the client's answer.
-        self._observe_relay_speed()
+        # RLD finished before the handoff (or after a resume): that is the client's answer.
         self.relay = RelayState.FINISHED
         self._release("relay")
-        self.meta.relay_tokens = len(self.stitcher.emitted)
         outs: list[Output] = []
+        if self.meta.resumed_at is not None:
+            self.meta.relay_tokens = len(self.stitcher.emitted) - self.meta.main_tokens
+            return [self._final(fed.chunk)]
+        self._observe_relay_speed()
+        self.meta.relay_tokens = len(self.stitcher.emitted)
         if self.path == "pdd":
             self.meta.path = LABELS["relay"]
             outs = self._md_dead("RLD finished the request first", "relay_finished")
@@ -410,7 +427,7 @@ class PddRequest:
         self._release("relay")
         self._cancel_task("relay")
         self.ctx.spawn(
-            abort_request(self.ctx.session, self.relay_url, f"{self.rid}-r", self.cfg.timeouts)
+            abort_request(self.ctx.session, self.relay_url, self.relay_rid, self.cfg.timeouts)
         )
 
     # --- MD ----------------------------------------------------------------------------------
@@ -422,8 +439,7 @@ class PddRequest:
         if fed.kind is Kind.FAILED:
             if self.md in (MdState.PENDING, MdState.CATCHUP):
                 return self._md_dead(fed.reason, "main")
-            self.ctx.metrics.inc("errors_total", kind="main")
-            return self._fail(fed.reason, fed.status)
+            return self._main_failed(fed.reason, fed.status)
         if fed.kind is Kind.IGNORED or fed.chunk is None:
             return []
         self._mark("first_token")
@@ -442,10 +458,9 @@ class PddRequest:
             return []
         if self.md in (MdState.PENDING, MdState.CATCHUP):
             return self._md_dead(f"MD stream ended: {reason}", "main")
-        if self.md is MdState.HANDED_OFF or self.path == "main":
-            self.ctx.metrics.inc("errors_total", kind="main")
+        if self.md is MdState.HANDED_OFF or (self.path == "main" and self.md is MdState.UNUSED):
             status = event.error.status if event.error else 502
-            return self._fail(f"MD failed: {reason}", status)
+            return self._main_failed(f"MD failed: {reason}", status)
         return []
 
     def _on_control(self, received: Received) -> list[Output]:
@@ -459,8 +474,7 @@ class PddRequest:
             if self.md in (MdState.PENDING, MdState.CATCHUP):
                 return self._md_dead(f"MD error: {msg.reason}", "main_error")
             if self.md is MdState.HANDED_OFF:
-                self.ctx.metrics.inc("errors_total", kind="main")
-                return self._fail(f"MD error after the handoff: {msg.reason}", 502)
+                return self._main_failed(f"MD error after the handoff: {msg.reason}", 502)
             return []
         logger.warning("request %s: unexpected control message %s from MD", self.rid, msg)
         return []
@@ -589,12 +603,52 @@ class PddRequest:
         self.meta.control_bytes += n
         self._cancel_task("main")
         self._release("main")
-        timeouts = self.cfg.timeouts
-        self.ctx.spawn(abort_request(self.ctx.session, self.main_url, self.rid, timeouts))
-        if "p2" in self.tasks and not self.tasks["p2"].done():
-            self._cancel_task("p2")
-            rid = f"{self.rid}-p2"
-            self.ctx.spawn(abort_request(self.ctx.session, self.prefill_url, rid, timeouts))
+        self.ctx.spawn(abort_request(self.ctx.session, self.main_url, self.rid, self.cfg.timeouts))
+        self._abort_prefills("p2")
+
+    # --- resume on RLD -----------------------------------------------------------------------
+
+    def _main_failed(self, reason: str, status: int) -> list[Output]:
+        """MD failed while it fed the client (after the handoff, or on P->MD): RLD finishes the
+        request if it can, else the client gets the reason."""
+        self.ctx.metrics.inc("errors_total", kind="main")
+        if 400 <= status < 500 or not self._resume_on_relay(reason):
+            return self._fail(reason, status)
+        return []
+
+    def _resume_on_relay(self, reason: str) -> bool:
+        """P prefills the prompt and the client's tokens again, RLD decodes the rest (see
+        pdd.router.resume); False when that cannot be done."""
+        if self.meta.resumed_at is not None or not self.cfg.relay:
+            return False
+        body = resume_body(self.body, self.stitcher.emitted)
+        if body is None:
+            return False
+        try:
+            i = self.ctx.pick("relay")
+        except NoInstance:
+            return False
+        self.meta.resumed_at = len(self.stitcher.emitted)
+        self.meta.md_failure = _cut(reason)
+        logger.warning("request %s: resumed on RLD after %d tokens: %s", self.rid,
+                       self.meta.resumed_at, self.meta.md_failure)  # fmt: skip
+        self.ctx.metrics.inc("resumes_total")
+        self.md = MdState.DEAD
+        self._cancel_task("main")
+        self._release("main")
+        self.ctx.spawn(abort_request(self.ctx.session, self.main_url, self.rid, self.cfg.timeouts))
+        self._abort_prefills("p", "p2")  # P's transfers to MD: a dead MD may never bootstrap them
+        self.stitcher.resume()
+        self.released.discard("relay")
+        self._acquire("relay", i)
+        self.meta.instances["relay"] = self.relay_url
+        self.relay = RelayState.RUNNING
+        self.relay_rid = f"{self.rid}-r2"
+        room = random.randrange(ROOM_LIMIT)
+        self._prefill("p3", room, body)
+        relay_body = self._body(rid=self.relay_rid, room=room, stream=True, base=body)
+        self._stream("relay", self.relay_url, relay_body, "RLD")
+        return True
 
     # --- endings -----------------------------------------------------------------------------
 
@@ -615,6 +669,17 @@ class PddRequest:
         if self.sent_outputs == 0:
             raise UpstreamError(status, reason)
         return [Output(self._with_meta(self.stitcher.failure_chunk(reason)), True, True)]
+
+    def _abort_prefills(self, *which: str) -> None:
+        """Calls to P still running are cancelled here and aborted on P."""
+        for name in which:
+            task = self.tasks.get(name)
+            if task is not None and not task.done():
+                task.cancel()
+                rid = f"{self.rid}-{name}"
+                self.ctx.spawn(
+                    abort_request(self.ctx.session, self.prefill_url, rid, self.cfg.timeouts)
+                )
 
     def _cancel_task(self, name: str) -> None:
         task = self.tasks.get(name)
@@ -648,14 +713,7 @@ class PddRequest:
             )
         self._stop_relay()
         if not self.succeeded:
-            for which in ("p", "p2"):
-                task = self.tasks.get(which)
-                if task is not None and not task.done():
-                    task.cancel()
-                    rid = f"{self.rid}-{which}"
-                    self.ctx.spawn(
-                        abort_request(self.ctx.session, self.prefill_url, rid, self.cfg.timeouts)
-                    )
+            self._abort_prefills("p", "p2", "p3")
         for tier in list(self.held):
             self._release(tier)
         m = self.ctx.metrics

@@ -82,6 +82,9 @@ class Stitcher:
     emitted: list[int] = field(default_factory=list)
     text: str = ""
     last_meta: dict[str, Any] = field(default_factory=dict)
+    # After a resume on RLD: RLD's output continues these (what the client had from MD).
+    base_ids: list[int] = field(default_factory=list)
+    base_text: str = ""
 
     def feed_relay(self, chunk: dict[str, Any]) -> Fed:
         if self.phase is not Phase.RELAY:
@@ -109,12 +112,24 @@ class Stitcher:
     def snapshot(self) -> tuple[int, ...]:
         return tuple(self.emitted)
 
+    def resume(self) -> None:
+        """Back to RLD after MD failed: a new RLD request whose output follows the client's."""
+        if self.phase is not Phase.MAIN:
+            raise RuntimeError(f"resume in phase {self.phase.value}")
+        self.phase = Phase.RELAY
+        self.base_ids, self.base_text = list(self.emitted), self.text
+
     def _feed(self, chunk: dict[str, Any], source: str) -> Fed:
         info = inspect_chunk(chunk)
         if info.error is not None or info.aborted or info.ids is None:
             status = 400 if info.client_error else 502
             return Fed(Kind.FAILED, reason=f"{source} failed: {abort_reason(info)}", status=status)
         ids, n = info.ids, len(self.emitted)
+        if source == "relay" and self.base_ids:
+            ids = self.base_ids + ids
+            text = chunk.get("text")
+            if isinstance(text, str):
+                chunk = {**chunk, "text": self.base_text + text}
         if ids[: min(n, len(ids))] != self.emitted[: len(ids)]:
             return Fed(Kind.FAILED, reason=f"{source} output does not extend the client's tokens")
         new = ids[n:]

@@ -1,0 +1,25 @@
+"""Resume on RLD: MD failed after it took the request over, and RLD finishes it instead.
+
+The client keeps what it has. P prefills the prompt followed by the tokens the client already
+got (its radix cache holds the prompt, so that costs about the output's length) and RLD decodes
+the rest, as a new request whose output the stitcher appends. With greedy sampling the tokens
+are those MD would have produced (the same recompute an Extend-Decode handoff does). A stop
+string split across the resume point is not seen (RLD's text starts after it). Pure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdd.router.planner import max_new_tokens, prompt_ids
+
+
+def resume_body(body: dict[str, Any], emitted: list[int]) -> dict[str, Any] | None:
+    """The client's body continued after `emitted`; None when it cannot be: a text prompt (the
+    router has no ids to extend), or nothing left to generate."""
+    ids = prompt_ids(body)
+    left = max_new_tokens(body) - len(emitted)
+    if ids is None or left <= 0:
+        return None
+    params = {**(body.get("sampling_params") or {}), "max_new_tokens": left}
+    return {**body, "input_ids": [*ids, *emitted], "sampling_params": params}
