@@ -192,7 +192,10 @@ def call_once(url: str, ids: list[int], max_new: int, timeout: float) -> Outcome
     if finish.get("type") not in ("length", "stop"):
         reason = f"stream ended without a finish: {finish}"
         return Outcome("lost", got.ttft_s, reason=reason, attempt_s=attempt_s)
-    path = ((final.get("meta_info") or {}).get("pdd") or {}).get("path")
+    pdd = (final.get("meta_info") or {}).get("pdd") or {}
+    path = pdd.get("path")
+    if pdd.get("resumed_on"):  # the side feeding it failed and the other finished it
+        path = f"{path} resumed on {pdd['resumed_on']}"
     output = list(final["output_ids"])
     return Outcome("completed", got.ttft_s, output, path=path, attempt_s=attempt_s)
 

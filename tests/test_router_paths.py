@@ -242,17 +242,25 @@ def test_md_not_ready_in_time_leaves_the_request_to_relay(
     assert again["meta_info"]["pdd"]["path"] == "P->RLD->MD"
 
 
-def test_md_failing_mid_answer_is_resumed_on_relay(deployment: Deployment) -> None:
-    """MD aborts a request it is streaming to the client (as a crash would end it): RLD finishes
-    it from the tokens the client has, and the whole answer equals the colocated server's."""
+@pytest.mark.parametrize(
+    "path, suffix, label, resumed_on, metric",
+    [("main", "", "P->MD", "RLD", "relay"), ("relay", "-r", "P->RLD", "MD", "main")],
+)
+def test_a_side_failing_mid_answer_is_resumed_on_the_other(
+    deployment: Deployment, path: str, suffix: str, label: str, resumed_on: str, metric: str
+) -> None:
+    """The server streaming to the client aborts the request (as a crash would end it): the
+    other decode tier finishes it from the tokens the client has, and the whole answer equals
+    the colocated server's."""
     ids, max_new = prompts()[1], 300
     body = {"input_ids": ids, "sampling_params": sampling(max_new=max_new)}
     expected = generate(deployment.colocated.url, body)["output_ids"]
     req = urllib.request.Request(
         f"{deployment.router.url}/generate",
-        json.dumps({**body, "stream": True, "pdd_path": "main"}).encode(),
+        json.dumps({**body, "stream": True, "pdd_path": path}).encode(),
         {"Content-Type": "application/json"},
     )
+    server = getattr(deployment, path)  # the tier serving that path alone
     seen: list[int] = []
     aborted_at = None
     with urllib.request.urlopen(req, timeout=300) as resp:
@@ -265,21 +273,19 @@ def test_md_failing_mid_answer_is_resumed_on_relay(deployment: Deployment) -> No
             seen = chunk["output_ids"]
             if aborted_at is None and len(seen) >= 5:
                 aborted_at = len(seen)
-                rid = chunk["meta_info"]["id"]  # MD serves P->MD under the router's rid
+                rid = chunk["meta_info"]["id"] + suffix  # the router's rid, and RLD's suffix
                 abort = json.dumps({"rid": rid}).encode()
                 urllib.request.urlopen(urllib.request.Request(
-                    f"{deployment.main.url}/abort_request", abort,
+                    f"{server.url}/abort_request", abort,
                     {"Content-Type": "application/json"}), timeout=30).read()  # fmt: skip
     assert aborted_at is not None and seen == expected
     pdd = chunk["meta_info"]["pdd"]
-    assert pdd["path"] == "P->MD" and pdd["resumed_at"] >= aborted_at, pdd
-    assert (
-        pdd["main_tokens"] == pdd["resumed_at"]
-        and pdd["relay_tokens"] == max_new - pdd["resumed_at"]
-    )
+    assert pdd["path"] == label and pdd["resumed_on"] == resumed_on, pdd
+    resumed = pdd["resumed_at"]
+    assert resumed >= aborted_at and pdd["relay_tokens"] + pdd["main_tokens"] == max_new, pdd
     assert chunk["meta_info"]["finish_reason"]["type"] == "length"
     metrics = urllib.request.urlopen(f"{deployment.router.url}/metrics").read().decode()
-    assert "pdd_router_resumes_total 1" in metrics
+    assert f'pdd_router_resumes_total{{on="{metric}"}} 1' in metrics
 
 
 def test_bad_requests_get_clear_4xx(deployment: Deployment) -> None:

@@ -193,13 +193,23 @@ def test_resume_on_relay_after_main_failed() -> None:
     s.handoff()
     outs.append(s.feed_main(chunk([1, 2, 3], rid="x")))
     assert s.feed_main({"error": {"message": "MD died"}}).kind is Kind.FAILED
-    s.resume()
+    s.resume(Phase.RELAY)
     # The new RLD request's output is only the continuation; the client's grows from [1, 2, 3].
     outs += [s.feed_relay(chunk([4], rid="x-r2")), s.feed_relay(chunk([4, 5], "length"))]
     assert [o.new_tokens for o in outs] == [2, 1, 1, 1] and outs[-1].final
     assert client_tokens(outs) == [1, 2, 3, 4, 5]
     with pytest.raises(RuntimeError, match="resume in phase done"):
-        s.resume()
+        s.resume(Phase.MAIN)
+
+
+def test_resume_on_main_after_relay_failed() -> None:
+    s = Stitcher("x")
+    outs = [s.feed_relay(chunk([1, 2]))]
+    assert s.feed_relay(chunk([1, 2], "abort")).kind is Kind.FAILED
+    s.resume(Phase.MAIN)
+    assert s.feed_relay(chunk([1, 2, 3])).kind is Kind.IGNORED  # the dead side is not heard
+    outs += [s.feed_main(chunk([3], rid="x")), s.feed_main(chunk([3, 4], "length", rid="x"))]
+    assert client_tokens(outs) == [1, 2, 3, 4] and outs[-1].final
 
 
 def test_resume_body() -> None:

@@ -13,7 +13,8 @@ HELP = {
     "main_tokens_total": "Output tokens the clients received from MD",
     "control_bytes_total": "Encoded control-message bytes by direction",
     "catchup_chunks_total": "Catch-Up chunks sent to MD",
-    "resumes_total": "Requests RLD finished after MD failed while feeding the client",
+    "resumes_total": "Requests one side finished after the other failed while feeding the "
+    "client, by the side that took over",
     "md_cancels_total": "Requests MD was told to drop, by reason",
     "errors_total": "Errors by kind",
     "timeouts_total": "Waits that ran out, by what was awaited (a tier's call, MD's READY or "

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 ROOM_LIMIT = 2**62  # rooms travel as int64; stay well inside it
 DISCONNECT_POLL_S = 1.0
 MAX_REASON = 1000
+TIER_NAMES = {"relay": "RLD", "main": "MD"}
 
 
 class MdState(Enum):
@@ -96,8 +97,10 @@ class PddMeta:
     control_bytes: int = 0
     md_failure: str | None = None
     relay_failure: str | None = None
-    # MD failed after it took over and RLD finished the request: the tokens the client had then.
+    # The side feeding the client failed and the other finished the request ("RLD" or "MD"):
+    # the tokens the client had then.
     resumed_at: int | None = None
+    resumed_on: str | None = None
     instances: dict[str, str] = field(default_factory=dict)
     # Seconds since the router received the request.
     timings: dict[str, float] = field(default_factory=dict)
@@ -152,6 +155,7 @@ class PddRequest:
         self.tasks: dict[str, asyncio.Task[Any]] = {}
         self.held: dict[str, int] = {}  # tier -> instance index
         self.relay_rid = f"{self.rid}-r"
+        self.main_rid = self.rid
         self.released: set[str] = set()
 
     # --- set-up ------------------------------------------------------------------------------
@@ -412,6 +416,8 @@ class PddRequest:
         if self.md in (MdState.PENDING, MdState.CATCHUP):
             # MD can still take over from what the client has; it does on READY / ACK.
             return []
+        if self.md is not MdState.HANDED_OFF and self._resume("main", reason):
+            return []
         return self._fail(reason, 502)
 
     def _observe_relay_speed(self) -> None:
@@ -443,7 +449,8 @@ class PddRequest:
         if fed.kind is Kind.IGNORED or fed.chunk is None:
             return []
         self._mark("first_token")
-        if self.md is MdState.HANDED_OFF and fed.new_tokens and self.meta.handoff_latency_s is None:
+        handed_off = self.md is MdState.HANDED_OFF and "handoff_sent" in self.meta.timings
+        if handed_off and fed.new_tokens and self.meta.handoff_latency_s is None:
             self._mark("first_main_token")
             t = self.meta.timings
             self.meta.handoff_latency_s = round(t["first_main_token"] - t["handoff_sent"], 6)
@@ -606,48 +613,65 @@ class PddRequest:
         self.ctx.spawn(abort_request(self.ctx.session, self.main_url, self.rid, self.cfg.timeouts))
         self._abort_prefills("p2")
 
-    # --- resume on RLD -----------------------------------------------------------------------
+    # --- resume -----------------------------------------------------------------------------
 
     def _main_failed(self, reason: str, status: int) -> list[Output]:
         """MD failed while it fed the client (after the handoff, or on P->MD): RLD finishes the
         request if it can, else the client gets the reason."""
         self.ctx.metrics.inc("errors_total", kind="main")
-        if 400 <= status < 500 or not self._resume_on_relay(reason):
+        if 400 <= status < 500 or not self._resume("relay", reason):
             return self._fail(reason, status)
         return []
 
-    def _resume_on_relay(self, reason: str) -> bool:
-        """P prefills the prompt and the client's tokens again, RLD decodes the rest (see
-        pdd.router.resume); False when that cannot be done."""
-        if self.meta.resumed_at is not None or not self.cfg.relay:
+    def _resume(self, tier: str, reason: str) -> bool:
+        """The tier that fed the client failed: P prefills the prompt and the client's tokens
+        again and `tier` ("relay" or "main") decodes the rest (see pdd.router.resume). Once per
+        request; False when it cannot be done."""
+        if self.meta.resumed_at is not None or not self.ctx.loads[tier].active:
             return False
         body = resume_body(self.body, self.stitcher.emitted)
         if body is None:
             return False
         try:
-            i = self.ctx.pick("relay")
+            i = self.ctx.pick(tier)
         except NoInstance:
             return False
-        self.meta.resumed_at = len(self.stitcher.emitted)
-        self.meta.md_failure = _cut(reason)
-        logger.warning("request %s: resumed on RLD after %d tokens: %s", self.rid,
-                       self.meta.resumed_at, self.meta.md_failure)  # fmt: skip
-        self.ctx.metrics.inc("resumes_total")
-        self.md = MdState.DEAD
-        self._cancel_task("main")
-        self._release("main")
-        self.ctx.spawn(abort_request(self.ctx.session, self.main_url, self.rid, self.cfg.timeouts))
-        self._abort_prefills("p", "p2")  # P's transfers to MD: a dead MD may never bootstrap them
-        self.stitcher.resume()
-        self.released.discard("relay")
-        self._acquire("relay", i)
-        self.meta.instances["relay"] = self.relay_url
-        self.relay = RelayState.RUNNING
-        self.relay_rid = f"{self.rid}-r2"
+        n = self.meta.resumed_at = len(self.stitcher.emitted)
+        self.meta.resumed_on = TIER_NAMES[tier]
+        logger.warning("request %s: resumed on %s after %d tokens: %s", self.rid,
+                       self.meta.resumed_on, n, _cut(reason))  # fmt: skip
+        self.ctx.metrics.inc("resumes_total", on=tier)
+        if tier == "relay":
+            self.meta.md_failure = _cut(reason)
+            self.md = MdState.DEAD
+            self._cancel_task("main")
+            self._release("main")
+            self.ctx.spawn(
+                abort_request(self.ctx.session, self.main_url, self.main_rid, self.cfg.timeouts)
+            )
+        else:
+            self.meta.relay_tokens = n - self.meta.main_tokens
+        # P's calls for the failed side (a dead MD may never bootstrap its transfer).
+        self._abort_prefills("p", "p2")
+        self.stitcher.resume(Phase.RELAY if tier == "relay" else Phase.MAIN)
+        self.released.discard(tier)
+        self._acquire(tier, i)
         room = random.randrange(ROOM_LIMIT)
         self._prefill("p3", room, body)
-        relay_body = self._body(rid=self.relay_rid, room=room, stream=True, base=body)
-        self._stream("relay", self.relay_url, relay_body, "RLD")
+        if tier == "relay":
+            self.meta.instances["relay"] = self.relay_url
+            self.relay = RelayState.RUNNING
+            self.relay_rid = f"{self.rid}-r2"
+            relay_body = self._body(rid=self.relay_rid, room=room, stream=True, base=body)
+            self._stream("relay", self.relay_url, relay_body, "RLD")
+        else:
+            self.meta.instances["main"] = self.main_url
+            self.md = MdState.HANDED_OFF  # MD feeds the client from here
+            self.main_rid = f"{self.rid}-m2"
+            hints = route_hint(role="main", park=False, reply_to=self.ctx.reply_to)
+            main_body = self._body(rid=self.main_rid, room=room, stream=True, hints=hints,
+                                   base=body)  # fmt: skip
+            self._stream("main", self.main_url, main_body, "MD")
         return True
 
     # --- endings -----------------------------------------------------------------------------
@@ -704,7 +728,7 @@ class PddRequest:
         elif self.md is MdState.HANDED_OFF and not self.succeeded:
             self._cancel_task("main")
             self.ctx.spawn(
-                abort_request(self.ctx.session, self.main_url, self.rid, self.cfg.timeouts)
+                abort_request(self.ctx.session, self.main_url, self.main_rid, self.cfg.timeouts)
             )
         if self.path == "main" and not self.succeeded:
             self._cancel_task("main")

@@ -82,7 +82,7 @@ class Stitcher:
     emitted: list[int] = field(default_factory=list)
     text: str = ""
     last_meta: dict[str, Any] = field(default_factory=dict)
-    # After a resume on RLD: RLD's output continues these (what the client had from MD).
+    # After a resume: the new request's output continues these (what the client had then).
     base_ids: list[int] = field(default_factory=list)
     base_text: str = ""
 
@@ -112,11 +112,12 @@ class Stitcher:
     def snapshot(self) -> tuple[int, ...]:
         return tuple(self.emitted)
 
-    def resume(self) -> None:
-        """Back to RLD after MD failed: a new RLD request whose output follows the client's."""
-        if self.phase is not Phase.MAIN:
+    def resume(self, to: Phase) -> None:
+        """The source feeding the client failed: a new request on `to`'s side, whose output
+        follows what the client has, feeds it from now on."""
+        if self.phase is Phase.DONE or to is Phase.DONE:
             raise RuntimeError(f"resume in phase {self.phase.value}")
-        self.phase = Phase.RELAY
+        self.phase = to
         self.base_ids, self.base_text = list(self.emitted), self.text
 
     def _feed(self, chunk: dict[str, Any], source: str) -> Fed:
@@ -125,7 +126,7 @@ class Stitcher:
             status = 400 if info.client_error else 502
             return Fed(Kind.FAILED, reason=f"{source} failed: {abort_reason(info)}", status=status)
         ids, n = info.ids, len(self.emitted)
-        if source == "relay" and self.base_ids:
+        if self.base_ids:  # after a resume only the new request's source is fed
             ids = self.base_ids + ids
             text = chunk.get("text")
             if isinstance(text, str):
