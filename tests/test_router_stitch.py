@@ -222,3 +222,5 @@ def test_resume_body() -> None:
     assert resume_body({"input_ids": [7]}, [1] * 3)["sampling_params"] == {"max_new_tokens": 125}
     assert resume_body({"text": "hi"}, [1]) is None  # no ids to extend
     assert resume_body(body, [1] * 5) is None  # nothing left to generate
+    penalised = {**body, "sampling_params": {"max_new_tokens": 5, "frequency_penalty": 1.0}}
+    assert resume_body(penalised, [1]) is None  # the new sampler would not see [1]

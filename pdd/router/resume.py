@@ -11,15 +11,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdd.policy.path import handoff_blockers
 from pdd.router.planner import max_new_tokens, prompt_ids
 
 
 def resume_body(body: dict[str, Any], emitted: list[int]) -> dict[str, Any] | None:
     """The client's body continued after `emitted`; None when it cannot be: a text prompt (the
-    router has no ids to extend), or nothing left to generate."""
+    router has no ids to extend), nothing left to generate, or what a handoff would break too
+    (penalties, grammars, logprobs...: the new request's sampler would not see `emitted`)."""
     ids = prompt_ids(body)
     left = max_new_tokens(body) - len(emitted)
-    if ids is None or left <= 0:
+    if ids is None or left <= 0 or handoff_blockers(body):
         return None
     params = {**(body.get("sampling_params") or {}), "max_new_tokens": left}
     return {**body, "input_ids": [*ids, *emitted], "sampling_params": params}
