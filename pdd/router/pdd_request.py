@@ -351,10 +351,16 @@ class PddRequest:
         if self.meta.resumed_at is not None:  # only the resume's prefill matters now
             if event.which != "p3" or event.error is None:
                 return []
-            return self._fail(f"prefill to resume on RLD failed: {event.error.reason}", 502)
+            return self._fail(f"prefill to resume failed: {event.error.reason}", 502)
         if event.error is not None:
             self.ctx.metrics.inc("errors_total", kind="prefill")
-            return self._fail(f"prefill failed: {event.error.reason}", event.error.status)
+            reason, status = event.error.reason, event.error.status
+            if self.path == "pdd" and self.relay is RelayState.RUNNING and status >= 500:
+                # RLD's KV will not come (a dead RLD, say); MD, fed by its own prefill, may
+                # still serve the request.
+                self._stop_relay()  # RLD's request would wait for that KV
+                return self._relay_dead(f"prefill for RLD failed: {reason}", status)
+            return self._fail(f"prefill failed: {reason}", status)
         self._mark("prefill_done")
         self.meta.p_cached_tokens = event.cached_tokens
         if event.cached_tokens is not None and self.plan.hashes is not None:
@@ -414,7 +420,12 @@ class PddRequest:
             # The request itself is bad: MD would refuse it as well.
             return self._fail(reason, status)
         if self.md in (MdState.PENDING, MdState.CATCHUP):
-            # MD can still take over from what the client has; it does on READY / ACK.
+            # MD can still take over from what the client has; it does on READY / ACK. P's call
+            # for RLD is dropped (a dead RLD may never bootstrap it) and MD is fed now.
+            self._abort_prefills("p")
+            if "p2" not in self.tasks:
+                self._mark("prefill_md_sent")
+                self._prefill("p2", self.room_md)
             return []
         if self.md is not MdState.HANDED_OFF and self._resume("main", reason):
             return []
