@@ -14,7 +14,8 @@ through the router at a fixed concurrency and injects its fault once a third of 
 - md-kill / rld-kill / p-kill: that server crashes (SIGKILL to all its processes: SIGTERM would
   let SGLang finish its running requests first), and starts again `--fault-s` seconds later;
 - overload: no fault, but 4 x `--concurrency` clients against a router that admits 2 x (its
-  `--max-active`): the rest get 503 with Retry-After, and retry after it (counted as refused).
+  `--max-active`): the rest get 503 with Retry-After and retry after it, with jitter, for up to
+  600 s (counted as refused).
 Every request ends in one of: completed (its tokens are compared with the colocated server's;
 a wrong one is printed with where it first differs), failed with a clear error (an HTTP error or
 an error event that says why), or lost (no answer within the client's timeout, a broken
@@ -59,6 +60,7 @@ SCENARIOS = ("none", "cut", "collapse", "md-kill", "rld-kill", "p-kill", "overlo
 OVERLOAD_X = 4  # the overload scenario's concurrency, in multiples of --concurrency
 MAX_ACTIVE_X = 2  # the router's --max-active, in multiples of --concurrency
 CLIENT_TIMEOUT_S = 180.0
+RETRY_BUDGET_S = 600.0  # how long a refused client keeps retrying
 RELEASE_WAIT_S = 120.0  # > the router's ready timeout (60 s), which ends stranded transfers
 
 
@@ -142,18 +144,20 @@ def requests_for(n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[i
 
 def call(url: str, ids: list[int], max_new: int) -> Outcome:
     """One request, as a well-behaved client sends it: a 503 with Retry-After (the router's
-    admission control) is retried after that long, until the client's timeout."""
+    admission control) is retried after that long plus jitter, for up to RETRY_BUDGET_S; once
+    admitted, the answer has CLIENT_TIMEOUT_S."""
     start = time.monotonic()
     refused = 0
     while True:
-        outcome = call_once(url, ids, max_new, CLIENT_TIMEOUT_S - (time.monotonic() - start))
+        outcome = call_once(url, ids, max_new)
         if outcome.retry_after_s is None:
             break
         refused += 1
-        if time.monotonic() - start + outcome.retry_after_s >= CLIENT_TIMEOUT_S:
+        wait = outcome.retry_after_s * random.uniform(1.0, 2.0)  # no thundering herd
+        if time.monotonic() - start + wait >= RETRY_BUDGET_S:
             outcome.kind = "failed"
             break
-        time.sleep(outcome.retry_after_s)
+        time.sleep(wait)
     waited = time.monotonic() - start
     if outcome.ttft_s is not None:  # from the first attempt, as the client sees it
         outcome.ttft_s += waited - outcome.attempt_s
@@ -161,12 +165,12 @@ def call(url: str, ids: list[int], max_new: int) -> Outcome:
     return outcome
 
 
-def call_once(url: str, ids: list[int], max_new: int, timeout: float) -> Outcome:
+def call_once(url: str, ids: list[int], max_new: int) -> Outcome:
     sampling = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
     start = time.monotonic()
     try:
         got = stream_generate(url, {"input_ids": ids, "sampling_params": sampling},
-                              timeout=max(timeout, 1.0))  # fmt: skip
+                              timeout=CLIENT_TIMEOUT_S)  # fmt: skip
     except urllib.error.HTTPError as err:
         body = err.read().decode(errors="replace")
         try:
@@ -258,7 +262,8 @@ def run_scenario(
     injector = threading.Thread(target=fault, daemon=True)
     injector.start()
     concurrency = args.concurrency * (OVERLOAD_X if scenario == "overload" else 1)
-    results = replay(trace, send, concurrency=concurrency, timeout_s=CLIENT_TIMEOUT_S + 30,
+    limit = RETRY_BUDGET_S + CLIENT_TIMEOUT_S + 30  # a send ends before, by itself
+    results = replay(trace, send, concurrency=concurrency, timeout_s=limit,
                      progress_every=max(1, len(trace) // 10),
                      log=lambda line: print(f"[{scenario}] {line}", flush=True))  # fmt: skip
     injector.join(CLIENT_TIMEOUT_S * 4)
