@@ -1,6 +1,6 @@
-"""`python -m pdd.eval faults`, short: a WAN cut, an MD kill, an RLD kill and an overload burst
-on the testbed (tiny model, real servers). No request may be lost or wrong, and the deployment
-serves again afterwards; failures must carry a reason."""
+"""`python -m pdd.eval faults`, short: a WAN cut, a bandwidth collapse, an MD crash, an RLD
+crash and an overload burst on the testbed (tiny model, real servers). No request may be lost or
+wrong, and the deployment serves again afterwards; failures must carry a reason."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from tests.marks import needs_root
 @needs_root
 def test_faults_lose_nothing(tiny_model: Path, tmp_path: Path) -> None:
     rc = main(["faults", "--model", str(tiny_model), "--requests", "16", "--concurrency", "4",
-               "--scenarios", "cut,md-kill,rld-kill,overload", "--fault-s", "4", "--net", "10.233",
-               "--out", str(tmp_path)])  # fmt: skip
+               "--scenarios", "cut,collapse,md-kill,rld-kill,overload", "--fault-s", "4",
+               "--net", "10.233", "--out", str(tmp_path)])  # fmt: skip
     data = json.loads((tmp_path / "faults.json").read_text())
     rows = {r["scenario"]: r for r in data["rows"]}
-    assert list(rows) == ["cut", "md-kill", "rld-kill", "overload"]
+    assert list(rows) == ["cut", "collapse", "md-kill", "rld-kill", "overload"]
     for name, row in rows.items():
         assert row["sent"] == 16 and row["completed"] + row["failed"] == 16, row
         assert row["lost"] == 0 and row["wrong"] == 0 and row["recovered"], row
