@@ -74,8 +74,6 @@ class Outcome:
     index: int = -1  # the request's position in the replay
     diverged_at: int | None = None  # a completed output's first token unlike colocated's
     refused: int = 0  # 503s (admission control) before the answer
-    attempt_s: float = 0.0  # the last attempt's duration
-    retry_after_s: float | None = None  # set on a 503 that asks to retry
     started_s: float = 0.0  # when the client sent it, from the scenario's start
 
 
@@ -149,25 +147,24 @@ def call(url: str, ids: list[int], max_new: int) -> Outcome:
     start = time.monotonic()
     refused = 0
     while True:
-        outcome = call_once(url, ids, max_new)
-        if outcome.retry_after_s is None:
+        attempt = time.monotonic()
+        outcome, retry_after = call_once(url, ids, max_new)
+        if retry_after is None:
             break
         refused += 1
-        wait = outcome.retry_after_s * random.uniform(1.0, 2.0)  # no thundering herd
+        wait = retry_after * random.uniform(1.0, 2.0)  # no thundering herd
         if time.monotonic() - start + wait >= RETRY_BUDGET_S:
-            outcome.kind = "failed"
             break
         time.sleep(wait)
-    waited = time.monotonic() - start
     if outcome.ttft_s is not None:  # from the first attempt, as the client sees it
-        outcome.ttft_s += waited - outcome.attempt_s
-    outcome.refused, outcome.retry_after_s = refused, None
+        outcome.ttft_s += attempt - start
+    outcome.refused = refused
     return outcome
 
 
-def call_once(url: str, ids: list[int], max_new: int) -> Outcome:
+def call_once(url: str, ids: list[int], max_new: int) -> tuple[Outcome, float | None]:
+    """One attempt, and the Retry-After of a 503 that asks to retry."""
     sampling = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
-    start = time.monotonic()
     try:
         got = stream_generate(url, {"input_ids": ids, "sampling_params": sampling},
                               timeout=CLIENT_TIMEOUT_S)  # fmt: skip
@@ -176,32 +173,29 @@ def call_once(url: str, ids: list[int], max_new: int) -> Outcome:
         try:
             message = json.loads(body)["error"]["message"]
         except (ValueError, KeyError, TypeError):
-            return Outcome("lost", reason=f"HTTP {err.code} without a reason: {body[:200]}")
-        outcome = Outcome("failed", reason=f"HTTP {err.code}: {message}")
-        retry_after = err.headers.get("Retry-After")
-        if err.code == 503 and retry_after is not None:
-            outcome.retry_after_s = float(retry_after)
-        return outcome
+            return Outcome("lost", reason=f"HTTP {err.code} without a reason: {body[:200]}"), None
+        retry_after = err.headers.get("Retry-After") if err.code == 503 else None
+        failed = Outcome("failed", reason=f"HTTP {err.code}: {message}")
+        return failed, None if retry_after is None else float(retry_after)
     except (OSError, RuntimeError, ValueError) as err:  # timeout, reset, no chunk
-        return Outcome("lost", reason=f"{type(err).__name__}: {err}")
-    attempt_s = time.monotonic() - start
-    final = got.final
+        return Outcome("lost", reason=f"{type(err).__name__}: {err}"), None
+    return finished(got.final, got.ttft_s), None
+
+
+def finished(final: dict, ttft_s: float | None) -> Outcome:
+    """What a stream's last chunk says of the request."""
     if "error" in final:
-        reason = f"stream error: {final['error'].get('message')}"
-        return Outcome("failed", got.ttft_s, reason=reason, attempt_s=attempt_s)
+        return Outcome("failed", ttft_s, reason=f"stream error: {final['error'].get('message')}")
     finish = (final.get("meta_info") or {}).get("finish_reason") or {}
     if finish.get("type") == "abort" and finish.get("message"):
-        reason = f"stream aborted: {finish['message']}"
-        return Outcome("failed", got.ttft_s, reason=reason, attempt_s=attempt_s)
+        return Outcome("failed", ttft_s, reason=f"stream aborted: {finish['message']}")
     if finish.get("type") not in ("length", "stop"):
-        reason = f"stream ended without a finish: {finish}"
-        return Outcome("lost", got.ttft_s, reason=reason, attempt_s=attempt_s)
+        return Outcome("lost", ttft_s, reason=f"stream ended without a finish: {finish}")
     pdd = (final.get("meta_info") or {}).get("pdd") or {}
     path = pdd.get("path")
     if pdd.get("resumed_on"):  # the side feeding it failed and the other finished it
         path = f"{path} resumed on {pdd['resumed_on']}"
-    output = list(final["output_ids"])
-    return Outcome("completed", got.ttft_s, output, path=path, attempt_s=attempt_s)
+    return Outcome("completed", ttft_s, list(final["output_ids"]), path=path)
 
 
 def inject(scenario: str, tb: Testbed, pdd: PDDDeployment, fault_s: float) -> float:

@@ -608,20 +608,14 @@ class PddRequest:
             return
         logger.warning("request %s: the kept prompt transfer to MD did not end in time", self.rid)
         self.ctx.metrics.inc("timeouts_total", wait="kept_transfer")
-        for task in calls:
-            task.cancel()
-        timeouts = self.cfg.timeouts
-        await asyncio.gather(
-            abort_request(self.ctx.session, self.main_url, self.rid, timeouts),
-            abort_request(self.ctx.session, self.prefill_url, f"{self.rid}-p2", timeouts),
-        )
+        self._stop_main()
+        self._abort_prefills("p2")
 
     def _cancel_md(self, reason: str) -> None:
         n = self.ctx.send(self.main_addr, Cancel(self.rid, _cut(reason)))
         self.meta.control_bytes += n
-        self._cancel_task("main")
         self._release("main")
-        self.ctx.spawn(abort_request(self.ctx.session, self.main_url, self.rid, self.cfg.timeouts))
+        self._stop_main()
         self._abort_prefills("p2")
 
     # --- resume -----------------------------------------------------------------------------
@@ -638,7 +632,7 @@ class PddRequest:
         """The tier that fed the client failed: P prefills the prompt and the client's tokens
         again and `tier` ("relay" or "main") decodes the rest (see pdd.router.resume). Once per
         request; False when it cannot be done."""
-        if self.meta.resumed_at is not None or not self.ctx.loads[tier].active:
+        if self.meta.resumed_at is not None:
             return False
         body = resume_body(self.body, self.stitcher.emitted)
         if body is None:
@@ -655,11 +649,8 @@ class PddRequest:
         if tier == "relay":
             self.meta.md_failure = _cut(reason)
             self.md = MdState.DEAD
-            self._cancel_task("main")
             self._release("main")
-            self.ctx.spawn(
-                abort_request(self.ctx.session, self.main_url, self.main_rid, self.cfg.timeouts)
-            )
+            self._stop_main()
         else:
             self.meta.relay_tokens = n - self.meta.main_tokens
         # P's calls for the failed side (a dead MD may never bootstrap its transfer).
@@ -705,6 +696,13 @@ class PddRequest:
             raise UpstreamError(status, reason)
         return [Output(self._with_meta(self.stitcher.failure_chunk(reason)), True, True)]
 
+    def _stop_main(self) -> None:
+        """MD's call is cancelled here and its request aborted on MD."""
+        self._cancel_task("main")
+        self.ctx.spawn(
+            abort_request(self.ctx.session, self.main_url, self.main_rid, self.cfg.timeouts)
+        )
+
     def _abort_prefills(self, *which: str) -> None:
         """Calls to P still running are cancelled here and aborted on P."""
         for name in which:
@@ -736,16 +734,8 @@ class PddRequest:
         if self.md in (MdState.PENDING, MdState.CATCHUP):
             self.md = MdState.DEAD
             self._cancel_md("request ended")
-        elif self.md is MdState.HANDED_OFF and not self.succeeded:
-            self._cancel_task("main")
-            self.ctx.spawn(
-                abort_request(self.ctx.session, self.main_url, self.main_rid, self.cfg.timeouts)
-            )
-        if self.path == "main" and not self.succeeded:
-            self._cancel_task("main")
-            self.ctx.spawn(
-                abort_request(self.ctx.session, self.main_url, self.rid, self.cfg.timeouts)
-            )
+        elif not self.succeeded and (self.md is MdState.HANDED_OFF or self.path == "main"):
+            self._stop_main()
         self._stop_relay()
         if not self.succeeded:
             self._abort_prefills("p", "p2", "p3")

@@ -1,10 +1,12 @@
-"""Resume on RLD: MD failed after it took the request over, and RLD finishes it instead.
+"""Resume: the decode tier feeding the client (MD after the handoff or on P->MD, RLD on P->RLD)
+failed, and the other tier finishes the request instead.
 
 The client keeps what it has. P prefills the prompt followed by the tokens the client already
-got (its radix cache holds the prompt, so that costs about the output's length) and RLD decodes
-the rest, as a new request whose output the stitcher appends. With greedy sampling the tokens
-are those MD would have produced (the same recompute an Extend-Decode handoff does). A stop
-string split across the resume point is not seen (RLD's text starts after it). Pure.
+got (its radix cache holds the prompt, so that costs about the output's length) and the other
+tier decodes the rest, as a new request whose output the stitcher appends. With greedy sampling
+the tokens are those the failed side would have produced (the same recompute an Extend-Decode
+handoff does). A stop string split across the resume point is not seen (the new request's text
+starts after it). Pure.
 """
 
 from __future__ import annotations
