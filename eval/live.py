@@ -2,7 +2,8 @@
 
     python -m pdd.eval live [--model models/wide] [--requests 40] [--concurrency 2 | --rate R]
                             [--trace FILE] [--scale 0.015] [--max-new 32] [--rate-mbit 100]
-                            [--delay-ms 20] [--ttft-sla 3] [--tpot-sla 0.5] [--out runs/live]
+                            [--delay-ms 20] [--ttft-sla 3] [--tpot-sla 0.5] [--dtype float32]
+                            [--out runs/live]
 
 Needs root. Brings up its own testbed (name `pddlive`): P and RelayDecode (RLD) in datacenter
 A, MainDecode (MD) in B, the PDD router in A, the emulated WAN between them. The same requests
@@ -143,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deployments", default=",".join(d.name for d in DEPLOYMENTS),
                         help="comma-separated subset, in this order")  # fmt: skip
     parser.add_argument("--pool", type=int, default=None, help="KV tokens on P and MD")
+    parser.add_argument("--dtype", default="float32",
+                        help="every server's; float32 so that the outputs-equal column is exact "
+                             "(in bf16 a greedy near-tie can flip with the batch)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("runs/live"))
     args = parser.parse_args(argv)
     chosen = [d for d in DEPLOYMENTS if d.name in args.deployments.split(",")]
@@ -178,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             pdd = PDDDeployment.create(args.model, args.out / f"servers_drc_{decode_cache}",
                                        tb.placement("a"), tb.placement("b"), main_args=pool,
-                                       prefill_args=pool, decode_cache=decode_cache)  # fmt: skip
+                                       prefill_args=pool, decode_cache=decode_cache,
+                                       server_args=("--dtype", args.dtype))  # fmt: skip
             try:
                 print(f"starting P + RLD (A), MD (B), router (A); decode cache {decode_cache}",
                       flush=True)  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +13,10 @@ from pdd.srt.cpu_support import has_gpu
 # The KV pool of a CPU server otherwise takes ~15 GB of RAM.
 CPU_MAX_TOTAL_TOKENS = 8192
 SERVER_START_TIMEOUT_S = 300.0
+# The dtype of every server this launcher starts, unless its arguments name one. The test suite
+# sets float32: in bf16 a greedy near-tie can flip with the batch a request shares, so two correct
+# paths (P->D and colocated) may then differ, and an equality test would flake.
+DTYPE_ENV = "PDD_SERVER_DTYPE"
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,9 @@ class SGLangServer(HttpService):
             ]  # fmt: skip
         if self.bootstrap_port is not None:
             argv += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
+        dtype = os.environ.get(DTYPE_ENV)
+        if dtype and "--dtype" not in self.extra_args:
+            argv += ["--dtype", dtype]
         return argv + self.extra_args
 
     def start(self) -> None:

@@ -11,7 +11,11 @@ import pytest
 
 from pdd.launch.pd_local import LocalPD, format_seconds
 from pdd.launch.process import free_port, stop_groups
-from pdd.launch.servers import SGLangServer
+from pdd.launch.servers import DTYPE_ENV, SGLangServer
+
+# Every server a test starts runs in float32, so greedy outputs of different paths cannot differ
+# by a bf16 near-tie (see DTYPE_ENV); tests/test_pd_same_dc.py checks that it took effect.
+os.environ.setdefault(DTYPE_ENV, "float32")
 
 
 @pytest.fixture(scope="session")

@@ -87,7 +87,7 @@ def test_ttft_is_dominated_by_the_kv_transfer(
     cross_dc: tuple[Testbed, SGLangServer, LocalPD], tiny_model: Path
 ) -> None:
     tb, colocated, pd = cross_dc
-    kv_bits = LONG_PROMPT * kv_bytes_per_token(tiny_model) * 8
+    kv_bits = LONG_PROMPT * kv_bytes_per_token(tiny_model, dtype_bytes=4) * 8  # float32
     fast = first_token_seconds(pd.url, (11, 12))
     local = first_token_seconds(colocated.url, (13, 14))
     tb.set_rate(SLOW_MBIT)

@@ -1,6 +1,6 @@
 """The decode-side radix cache: MD keeps the KV it holds, so a conversation's next turn sends only
-the suffix MD lacks across the WAN. On the testbed, with the KV-heavy `wide` model (32 KB per
-token) so that KV bytes dominate what the WAN link counts.
+the suffix MD lacks across the WAN. On the testbed, with the KV-heavy `wide` model (64 KB per
+token in float32) so that KV bytes dominate what the WAN link counts.
 
 Outputs across turns are compared with a colocated server in tests/test_main_decode.py (tiny
 model). Here only the first turn is: the wide model's random weights have near-ties in their
@@ -61,7 +61,7 @@ class Setup:
 
 @pytest.fixture(scope="module")
 def setup(wide_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    tb = Testbed("pdddrc", LinkParams(100.0, 20.0), net="10.223")
+    tb = Testbed("pdddrc", LinkParams(200.0, 20.0), net="10.223")
     tb.down()
     tb.up()
     run_dir = tmp_path_factory.mktemp("decode_cache")
@@ -72,7 +72,7 @@ def setup(wide_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     try:
         print(f"start-up seconds: {pdd.up()}")
         colocated.wait_ready()
-        yield Setup(tb, colocated, pdd, kv_bytes_per_token(wide_model))
+        yield Setup(tb, colocated, pdd, kv_bytes_per_token(wide_model, dtype_bytes=4))
     finally:
         stop_groups(
             [*pdd.pgids().values(), *([colocated.process.pgid] if colocated.process else [])]

@@ -201,7 +201,7 @@ def test_extend_handoff_continues_like_colocated(deployment: Deployment, k: int)
     assert parked.ready.first_token == ref[0]  # P's first token travelled with the KV
     cached = parked.ready.cached_len  # a fresh prompt: nothing, bar a chance first token
     assert cached <= 1
-    assert parked.ready.wan_kv_bytes == (300 - cached) * 512  # tiny: 512 bytes of KV per token
+    assert parked.ready.wan_kv_bytes == (300 - cached) * 1024  # tiny, float32: 1 KB per token
     deployment.send(Handoff(rid=parked.rid, start=0, tokens=tuple(ref[:k])))
     assert parked.output()["output_ids"] == ref
 

@@ -105,7 +105,7 @@ def test_extend_handoff_equals_colocated(setup: Setup) -> None:
         assert 1 <= meta["relay_tokens"] < LONG_NEW, meta
         # What MD lacked crossed the WAN (fresh prompts: all of it, bar a chance first token).
         assert meta["md_cached_tokens"] <= 1, meta
-        assert meta["wan_kv_bytes"] == (n - meta["md_cached_tokens"]) * 512, meta
+        assert meta["wan_kv_bytes"] == (n - meta["md_cached_tokens"]) * 1024, meta  # float32
 
 
 def test_catch_up_handoff_in_several_chunks_equals_colocated(setup: Setup) -> None:

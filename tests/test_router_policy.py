@@ -1,7 +1,7 @@
 """The router's automatic path choice and instance health, live on the testbed.
 
 P and RLD in datacenter A, two MDs in B, the router in A with `--path auto`. The WAN is slow
-(2 Mbit/s) so that, with the tiny model's 512 bytes of KV per token, a fresh 1000-token prompt
+(4 Mbit/s) so that, with the tiny model's 1 KB of KV per token (float32), a fresh 1000-token prompt
 takes seconds to reach MD while a conversation's next turn (MD holds all but its last few
 tokens) takes a fraction of one: the three paths each become the right one for some request.
 RLD's tokens are paced at 30 ms each, so its speed is the same on every machine.
@@ -57,7 +57,7 @@ class Setup:
 
 @pytest.fixture(scope="module")
 def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    tb = Testbed("pddroute", LinkParams(2.0, 20.0), net="10.227")
+    tb = Testbed("pddroute", LinkParams(4.0, 20.0), net="10.227")
     tb.down()
     tb.up()
     run_dir = tmp_path_factory.mktemp("router_policy")
@@ -145,7 +145,7 @@ def test_long_fresh_input_with_a_tiny_answer_stays_on_relay(setup: Setup) -> Non
     meta = check(setup, random_ids(2000, seed=5), 4)
     assert meta["path"] == "P->RLD" and meta["path_reason"].startswith("singular"), meta
     sent = int(setup.tb.wan.status()["counters"]["a_to_b"]["bytes"]) - before
-    assert sent < 0.1 * 2000 * 512, sent  # the KV never crossed the WAN
+    assert sent < 0.1 * 2000 * 1024, sent  # the KV never crossed the WAN
 
 
 def test_a_killed_md_is_avoided_and_no_request_is_lost(setup: Setup) -> None:

@@ -16,9 +16,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookType
 
 from pdd.srt.cpu_support import has_gpu
+from pdd.srt.hooks import Hook
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,6 @@ def _around_get_kv_class(original: Callable[..., Any], *args: Any, **kwargs: Any
     return cls
 
 
-def register() -> None:
-    HookRegistry.register(
-        "sglang.srt.disaggregation.utils.get_kv_class", _around_get_kv_class, HookType.AROUND
-    )
+HOOKS = (
+    Hook("sglang.srt.disaggregation.utils.get_kv_class", _around_get_kv_class, HookType.AROUND),
+)

@@ -11,13 +11,16 @@ import argparse
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookType
 
 from pdd.control.messages import MAX_BLOCK
 from pdd.control.secret import ENV_SECRET, read_secret
 from pdd.srt.cpu_disagg import adjust_cpu_args
 from pdd.srt.cpu_support import has_gpu, triton_interpreted
+from pdd.srt.cpu_tp import adjust_cpu_tp_args
+from pdd.srt.hooks import Hook, check_startup
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +34,7 @@ ENV_PARK_TIMEOUT = "PDD_PARK_TIMEOUT_S"
 ENV_SECRET_FILE = "PDD_CONTROL_SECRET_FILE"
 ENV_CACHE_BLOCK = "PDD_CACHE_BLOCK"
 ENV_EXTEND_KERNEL = "PDD_EXTEND_KERNEL"
+ENV_HANDOFF_BATCH = "PDD_HANDOFF_BATCH_S"
 ENV_TREE_CORE = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
 # MD's handoff-extend attention (pdd.srt.handoff_attention); the first is the default.
 EXTEND_KERNELS = ("auto", "triton", "sglang")
@@ -47,6 +51,7 @@ class PddConfig:
     secret_file: str | None = None
     cache_block: int = DEFAULT_CACHE_BLOCK
     extend_kernel: str = EXTEND_KERNELS[0]
+    handoff_batch_s: float = 0.0
 
     @classmethod
     def from_env(cls) -> PddConfig:
@@ -60,6 +65,7 @@ class PddConfig:
             secret_file=env.get(ENV_SECRET_FILE) or None,
             cache_block=int(env.get(ENV_CACHE_BLOCK) or DEFAULT_CACHE_BLOCK),
             extend_kernel=env.get(ENV_EXTEND_KERNEL) or EXTEND_KERNELS[0],
+            handoff_batch_s=float(env.get(ENV_HANDOFF_BATCH) or 0.0),
         )
 
     def to_env(self) -> None:
@@ -71,6 +77,7 @@ class PddConfig:
             ENV_SECRET_FILE: self.secret_file,
             ENV_CACHE_BLOCK: str(self.cache_block),
             ENV_EXTEND_KERNEL: self.extend_kernel,
+            ENV_HANDOFF_BATCH: str(self.handoff_batch_s),
         }
         for key, value in values.items():
             if value is None:
@@ -132,6 +139,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "SGLang's attention backend elsewhere; triton: always the kernel (on a CPU only with "
         "TRITON_INTERPRET=1); sglang: always SGLang's backend (default: %(default)s).",
     )
+    group.add_argument(
+        "--pdd-handoff-batch-ms",
+        type=float,
+        default=0.0,
+        help="MainDecode: hold handoffs and Catch-Up chunks up to this long after the first "
+        "arrives, so that those arriving close together share one extend forward; 0 runs each "
+        "scheduler step's arrivals together (default: %(default)s).",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> PddConfig:
@@ -163,6 +178,9 @@ def config_from_args(args: argparse.Namespace) -> PddConfig:
         raise SystemExit(
             "error: --pdd-extend-kernel triton needs a CUDA GPU, or TRITON_INTERPRET=1 on a CPU"
         )
+    batch_ms = getattr(args, "pdd_handoff_batch_ms", 0.0)
+    if not 0 <= batch_ms <= 10_000:
+        raise SystemExit("error: --pdd-handoff-batch-ms must be in 0-10000")
     return PddConfig(
         role=role,
         control_host=getattr(args, "pdd_control_host", PddConfig.control_host),
@@ -171,6 +189,7 @@ def config_from_args(args: argparse.Namespace) -> PddConfig:
         secret_file=secret_file,
         cache_block=cache_block,
         extend_kernel=extend_kernel,
+        handoff_batch_s=batch_ms / 1000,
     )
 
 
@@ -199,15 +218,25 @@ def _after_add_cli_args(result: None, parser: argparse.ArgumentParser) -> None:
 
 
 def _before_from_cli_args(cls: type, args: argparse.Namespace) -> None:
-    config_from_args(args).to_env()
+    config = config_from_args(args)
+    if config.role is not None:
+        check_startup("launch_server")
+    config.to_env()
     adjust_role_args(args)
     adjust_cpu_args(args)
+    adjust_cpu_tp_args(args)
 
 
-def register() -> None:
-    HookRegistry.register(
-        "sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER
-    )
-    HookRegistry.register(
-        "sglang.srt.server_args.ServerArgs.from_cli_args", _before_from_cli_args, HookType.BEFORE
-    )
+def _after_scheduler_init(result: None, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    # Each scheduler process loads the plugin and applies the hooks anew: check again there.
+    if PddConfig.from_env().role is not None:
+        check_startup(f"scheduler, TP rank {getattr(scheduler, 'tp_rank', 0)}")
+
+
+HOOKS = (
+    Hook("sglang.srt.managers.scheduler.Scheduler.__init__", _after_scheduler_init,
+         HookType.AFTER),
+    Hook("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER),
+    Hook("sglang.srt.server_args.ServerArgs.from_cli_args", _before_from_cli_args,
+         HookType.BEFORE),
+)  # fmt: skip

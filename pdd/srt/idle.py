@@ -13,9 +13,10 @@ import time
 from typing import Any
 
 import zmq
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookType
 
 from pdd.srt.flags import PddConfig
+from pdd.srt.hooks import Hook
 
 TICK_MS = 5
 
@@ -55,7 +56,4 @@ def _after_on_idle(result: None, scheduler: Any) -> None:
         w.wait()
 
 
-def register() -> None:
-    HookRegistry.register(
-        "sglang.srt.managers.scheduler.Scheduler.on_idle", _after_on_idle, HookType.AFTER
-    )
+HOOKS = (Hook("sglang.srt.managers.scheduler.Scheduler.on_idle", _after_on_idle, HookType.AFTER),)

@@ -13,7 +13,9 @@ MD also tells every router that asks (SYNC_REQUEST) what its radix cache holds (
 pdd.cache.reporter), so the router knows MD's cached prefix of a request before sending it.
 
 All extends run synchronously inside the scheduler loop (MD runs without overlap scheduling), so
-SGLang's batch bookkeeping never sees them.
+SGLang's batch bookkeeping never sees them. At TP > 1 every rank runs the same extends in the same
+step: TP rank 0 owns the control socket and its messages reach the other ranks through SGLang's
+request broadcast (pdd.srt.control_rank).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from typing import Any
 import msgspec
 import torch
 import zmq
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from pdd.cache.reporter import CacheReporter
 from pdd.control.channel import ControlSocket
@@ -42,10 +43,10 @@ from pdd.control.messages import (
     Message,
     Ready,
     RouteHint,
-    SyncRequest,
     parse_route_hint,
 )
 from pdd.srt.cache_events import install
+from pdd.srt.control_rank import ControlBatch, Gatherer
 from pdd.srt.flags import PddConfig
 from pdd.srt.handoff_attention import HandoffAttention
 from pdd.srt.idle import waiter
@@ -75,28 +76,39 @@ class Stats:
     cancelled: int = 0
     timed_out: int = 0
     extend_tokens: int = 0
+    extend_forwards: int = 0
     rejected_messages: int = 0
 
 
 class MainDecode:
-    """Per-scheduler state of an MD server (attention TP rank 0 only; see `check_supported`)."""
+    """Per-scheduler state of an MD server: one per TP rank, all in step (see control_rank)."""
 
     def __init__(self, scheduler: Any, config: PddConfig) -> None:
+        from sglang.utils import TypeBasedDispatcher
+
         self.scheduler = scheduler
         self.config = config
+        self.tp = scheduler.tp_group
+        self.leader = self.tp.rank_in_group == 0
         self.parked: dict[str, Parked] = {}
         # CANCELs that arrived before the request's KV did: rid -> (reason, when).
         self.early_cancels: dict[str, tuple[str, float]] = {}
+        self.inbox: list[ControlBatch] = []  # this step's control input, the same on every rank
         self.stats = Stats()
         self.stats_logged = Stats()
         self.stats_logged_at = 0.0
         self.kv_bytes_per_token = _kv_bytes_per_token(scheduler)
         backend = scheduler.model_worker.model_runner.attn_backend
         self.attention = HandoffAttention(backend, config.extend_kernel)
+        # SGLang dispatches what its request broadcast carries by type; ours goes to `receive`.
+        scheduler._request_dispatcher += TypeBasedDispatcher([(ControlBatch, self.receive)])
         self.control = ControlSocket(secret=config.secret())
+        self.gatherer = Gatherer(self.control, config.handoff_batch_s)
+        self.reporter = CacheReporter(config.cache_block, self.control.send)
+        if not self.leader:
+            return
         addr = f"tcp://{config.control_host}:{config.control_port}"
         self.control.bind(addr)
-        self.reporter = CacheReporter(config.cache_block, self.control.send)
         install(scheduler.tree_cache, self.reporter)
         # A control message must wake the scheduler when it waits between transfer polls.
         w = waiter(scheduler)
@@ -105,7 +117,16 @@ class MainDecode:
         sleeper = getattr(scheduler, "idle_sleeper", None)  # --sleep-on-idle
         if sleeper is not None and hasattr(sleeper, "poller"):
             sleeper.poller.register(self.control.socket, zmq.POLLIN)
-        logger.info("PDD MainDecode: control plane on %s", addr)
+        logger.info("PDD MainDecode: control plane on %s (TP size %d)", addr, self.tp.world_size)
+
+    def busy(self) -> bool:
+        """Holds KV or has control output or input pending: the loop must come round."""
+        pending = self.leader and (self.reporter.dirty or self.gatherer.waiting())
+        return bool(self.parked) or pending
+
+    def send(self, to: str, msg: Message) -> None:
+        if self.leader:  # every rank decides the same; one tells the router
+            self.control.send(to, msg)
 
     # -- parking ----------------------------------------------------------------------------
 
@@ -127,7 +148,7 @@ class MainDecode:
                 self.stats.cancelled += 1
                 continue
             cached = int(getattr(req.kv, "cache_protected_len", 0) or 0)
-            self.control.send(
+            self.send(
                 hint.reply_to,
                 Ready(
                     rid=req.rid,
@@ -141,15 +162,32 @@ class MainDecode:
 
     # -- control messages -------------------------------------------------------------------
 
+    def gather(self) -> ControlBatch | None:
+        """TP rank 0: this step's control input for every rank, or None when there is none."""
+        if not self.leader:
+            return None
+        batch = ControlBatch(self.gatherer.gather(self.reporter.on_sync_request))
+        now = time.monotonic()
+        limit = self.config.park_timeout_s
+        batch.forgotten = [r for r, (_, at) in self.early_cancels.items() if now - at > limit]
+        batch.expired = [
+            (rid, f"no handoff within {limit:.0f} s of the KV landing on MD")
+            for rid, p in self.parked.items()
+            if now - p.parked_at > limit
+        ]
+        return batch if batch.messages or batch.expired or batch.forgotten else None
+
+    def receive(self, batch: ControlBatch) -> None:
+        """Every rank: SGLang's dispatch hands over the broadcast batch; `poll` acts on it."""
+        self.inbox.append(batch)
+
     def poll(self) -> None:
-        """Drains the control socket; runs the extends the messages ask for."""
+        """Acts on this step's control input: runs the extends the messages ask for."""
         chunks: list[tuple[Parked, Chunk]] = []
         handoffs: list[tuple[Parked, Handoff]] = []
         seen: set[str] = set()
-        for msg in self.control.recv_nowait():
-            if isinstance(msg, SyncRequest):
-                self.reporter.on_sync_request(msg)
-                continue
+        batches, self.inbox = self.inbox, []
+        for msg in (m for b in batches for m in b.messages):
             parked = self._check(msg)
             if parked is None or not isinstance(msg, Chunk | Handoff | Cancel):
                 continue
@@ -169,12 +207,14 @@ class MainDecode:
         ):
             for parked, _ in chunks:
                 self.stats.chunks += 1
-                self.control.send(parked.hint.reply_to, Ack(rid=parked.req.rid, done=parked.done))
+                self.send(parked.hint.reply_to, Ack(rid=parked.req.rid, done=parked.done))
         if handoffs:
             self._handoff(handoffs)
-        self._expire()
-        self.reporter.flush()
-        self._log_stats()
+        for batch in batches:
+            self._expire(batch)
+        if self.leader:
+            self.reporter.flush()
+            self._log_stats()
 
     def _log_stats(self) -> None:
         now = time.monotonic()
@@ -212,7 +252,7 @@ class MainDecode:
         self.stats.rejected_messages += 1
         logger.warning("PDD: rejected control message for %s: %s", rid, reason)
         if parked is not None:
-            self.control.send(parked.hint.reply_to, Error(rid=rid, reason=reason))
+            self.send(parked.hint.reply_to, Error(rid=rid, reason=reason))
 
     # -- the handoff ------------------------------------------------------------------------
 
@@ -235,18 +275,32 @@ class MainDecode:
             self.scheduler.waiting_queue.append(req)
 
     def _safe_extend(self, work: list[tuple[Parked, int, tuple[int, ...]]]) -> bool:
-        """`_extend`, or, if it fails (e.g. no KV memory left), those requests fail alone:
-        MD itself keeps serving."""
+        """`_extend`, or, if it fails on any TP rank (e.g. no KV memory left, a layer the
+        kernel cannot run), those requests fail alone on every rank: MD keeps serving, and its
+        ranks stay in step."""
+        problem = None
         try:
             self._extend(work)
-            return True
         except Exception as err:
             logger.exception("PDD: handoff extend failed")
-            for parked, _, _ in work:
-                reason = f"MD could not compute the handed-over tokens: {err}"
-                self.control.send(parked.hint.reply_to, Error(rid=parked.req.rid, reason=reason))
-                self.cancel(parked, reason, keep_kv=False)
-            return False
+            problem = str(err)
+        problem = self._agree(problem)
+        if problem is None:
+            return True
+        for parked, _, _ in work:
+            reason = f"MD could not compute the handed-over tokens: {problem}"
+            self.send(parked.hint.reply_to, Error(rid=parked.req.rid, reason=reason))
+            self.cancel(parked, reason, keep_kv=False)
+        return False
+
+    def _agree(self, problem: str | None) -> str | None:
+        """None if the step succeeded on every TP rank, else this rank's reason (or another
+        rank's failure)."""
+        if self.tp.world_size == 1:
+            return problem
+        flag = torch.tensor([0 if problem else 1], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, torch.distributed.ReduceOp.MIN, self.tp.cpu_group)
+        return problem or (None if int(flag.item()) else "another TP rank failed the extend")
 
     def _extend(self, work: list[tuple[Parked, int, tuple[int, ...]]]) -> None:
         """Computes the KV of handed-over tokens [parked.done, upto) for each request, in one
@@ -257,6 +311,10 @@ class MainDecode:
         todo = [(p, upto, tokens) for p, upto, tokens in work if upto > p.done]
         if not todo:
             return
+        self.stats.extend_forwards += 1
+        logger.info("PDD MainDecode: handoff extend forward %d: %d requests, %d tokens",
+                    self.stats.extend_forwards, len(todo),
+                    sum(upto - p.done for p, upto, _ in todo))  # fmt: skip
         s = self.scheduler
         # The extend's cache accounting would count handed-over tokens as cache hits.
         accounting = [(p.req.cached_tokens, p.req.already_computed) for p, _, _ in todo]
@@ -307,16 +365,15 @@ class MainDecode:
                 self.cancel(self.parked[key], "aborted")
                 self.stats.cancelled += 1
 
-    def _expire(self) -> None:
-        limit = self.config.park_timeout_s
-        now = time.monotonic()
-        for rid, (_, at) in list(self.early_cancels.items()):
-            if now - at > limit:  # its KV never came (aborted, failed): forget it
-                del self.early_cancels[rid]
-        for parked in list(self.parked.values()):
-            if now - parked.parked_at > limit:
+    def _expire(self, batch: ControlBatch) -> None:
+        """What rank 0's clock ran out (the same on every rank, unlike the clocks)."""
+        for rid in batch.forgotten:  # its KV never came (aborted, failed): forget it
+            self.early_cancels.pop(rid, None)
+        for rid, reason in batch.expired:
+            parked = self.parked.get(rid)
+            if parked is not None:
                 self.stats.timed_out += 1
-                self.cancel(parked, f"no handoff within {limit:.0f} s of the KV landing on MD")
+                self.cancel(parked, reason)
 
 
 def _route_hint(req: Any) -> RouteHint | None:
@@ -355,68 +412,3 @@ def _kv_bytes_per_token(scheduler: Any) -> int:
     pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
     ptrs, lens, item_lens = pool.get_contiguous_buf_infos()
     return int(sum(item_lens)) // max(pool.page_size, 1)
-
-
-def check_supported(scheduler: Any) -> None:
-    """MD v1 runs its handoff extends outside SGLang's batch flow: one rank, no overlap."""
-    if getattr(scheduler, "enable_overlap", False):
-        raise RuntimeError("--pdd-role main needs --disable-overlap-schedule")
-    if getattr(scheduler, "tp_size", 1) != 1:
-        raise RuntimeError("--pdd-role main supports --tp-size 1 only for now")
-    if not scheduler.spec_algorithm.is_none():
-        raise RuntimeError("--pdd-role main does not support speculative decoding yet")
-
-
-# -- SGLang hooks (run in MD's scheduler process) -----------------------------------------------
-
-
-def main_decode(scheduler: Any) -> MainDecode | None:
-    """This scheduler's MainDecode, made on first use; None on servers of other roles."""
-    md = scheduler.__dict__.get("_pdd_main_decode")
-    if md is None:
-        config = PddConfig.from_env()
-        md = False
-        if config.role == "main":
-            check_supported(scheduler)
-            md = MainDecode(scheduler, config)
-        scheduler._pdd_main_decode = md
-    return md or None
-
-
-def _after_pop_transferred(result: list[Any], queue: Any, *args: Any, **kwargs: Any) -> Any:
-    md = main_decode(queue.scheduler)
-    return md.take_parkable(result) if md is not None and result else result
-
-
-def _around_next_decode_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    md = main_decode(scheduler)
-    if md is not None:
-        md.poll()
-    return original(scheduler, *args, **kwargs)
-
-
-def _after_is_fully_idle(result: bool, scheduler: Any, *args: Any, **kwargs: Any) -> bool:
-    md = main_decode(scheduler)
-    # Parked requests hold KV: the scheduler is not idle (its idle leak check would fire); a
-    # cache-sync batch still to send keeps the loop (and so poll) going until it is sent.
-    return result and not (md is not None and (md.parked or md.reporter.dirty))
-
-
-def _after_abort_request(result: None, scheduler: Any, recv_req: Any) -> None:
-    md = main_decode(scheduler)
-    if md is not None:
-        md.abort(recv_req.rid or "", bool(recv_req.abort_all))
-
-
-def register() -> None:
-    sched = "sglang.srt.managers.scheduler.Scheduler"
-    hooks = [
-        ("sglang.srt.disaggregation.decode.DecodeTransferQueue.pop_transferred",
-         _after_pop_transferred, HookType.AFTER),
-        (f"{sched}.get_next_disagg_decode_batch_to_run", _around_next_decode_batch,
-         HookType.AROUND),
-        (f"{sched}.is_fully_idle", _after_is_fully_idle, HookType.AFTER),
-        (f"{sched}.abort_request", _after_abort_request, HookType.AFTER),
-    ]  # fmt: skip
-    for target, fn, kind in hooks:
-        HookRegistry.register(target, fn, kind)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 
 def load() -> None:
-    from pdd.srt import cpu_disagg, flags, idle, main_decode
+    from pdd.srt import cpu_disagg, cpu_tp, flags, hooks, idle, main_decode_hooks
 
-    flags.register()
-    cpu_disagg.register()
-    idle.register()
-    main_decode.register()
+    hooks.register(
+        [*flags.HOOKS, *cpu_disagg.HOOKS, *cpu_tp.HOOKS, *idle.HOOKS, *main_decode_hooks.HOOKS]
+    )

@@ -1,0 +1,91 @@
+"""Where MainDecode meets SGLang's decode scheduler (hooks run in each of MD's scheduler
+processes, one per TP rank)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang.srt.plugins.hook_registry import HookType
+
+from pdd.srt.flags import PddConfig
+from pdd.srt.hooks import Hook
+from pdd.srt.main_decode import MainDecode
+
+
+def check_supported(scheduler: Any) -> None:
+    """What MD cannot run yet, and why (each a start-up error naming the flag)."""
+    if getattr(scheduler, "enable_overlap", False):
+        # The handoff extend is its own forward between SGLang's batches.
+        raise RuntimeError("--pdd-role main needs --disable-overlap-schedule")
+    if not scheduler.spec_algorithm.is_none():
+        # A handed-off request would need its draft model's KV for the handed-over tokens too.
+        raise RuntimeError("--pdd-role main does not support speculative decoding yet")
+    if getattr(scheduler.server_args, "enable_dp_attention", False):
+        # The control plane reaches the ranks of one TP group; DP attention splits the queues.
+        raise RuntimeError("--pdd-role main does not support --enable-dp-attention yet")
+    if getattr(scheduler.server_args, "pp_size", 1) != 1:
+        raise RuntimeError("--pdd-role main does not support --pp-size > 1 yet")
+
+
+def main_decode(scheduler: Any) -> MainDecode | None:
+    """This scheduler's MainDecode, made on first use; None on servers of other roles."""
+    md = scheduler.__dict__.get("_pdd_main_decode")
+    if md is None:
+        config = PddConfig.from_env()
+        md = False
+        if config.role == "main":
+            check_supported(scheduler)
+            md = MainDecode(scheduler, config)
+        scheduler._pdd_main_decode = md
+    return md or None
+
+
+def _after_init(result: None, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    # Made at start-up on every rank: a follower must be able to dispatch the first broadcast.
+    main_decode(scheduler)
+
+
+def _after_poll_timeout_aborts(result: list[Any], scheduler: Any) -> list[Any]:
+    # TP rank 0 only (SGLang asks it for the aborts that ride its request broadcast).
+    md = main_decode(scheduler)
+    batch = md.gather() if md is not None else None
+    return result if batch is None else [*result, batch]
+
+
+def _after_pop_transferred(result: list[Any], queue: Any, *args: Any, **kwargs: Any) -> Any:
+    md = main_decode(queue.scheduler)
+    return md.take_parkable(result) if md is not None and result else result
+
+
+def _around_next_decode_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    md = main_decode(scheduler)
+    if md is not None:
+        md.poll()
+    return original(scheduler, *args, **kwargs)
+
+
+def _after_is_fully_idle(result: bool, scheduler: Any, *args: Any, **kwargs: Any) -> bool:
+    md = main_decode(scheduler)
+    # Parked requests hold KV: the scheduler is not idle (its idle leak check would fire); a
+    # cache-sync batch still to send, or handoffs held for the batching window, keep the loop
+    # going until they are sent.
+    return result and not (md is not None and md.busy())
+
+
+def _after_abort_request(result: None, scheduler: Any, recv_req: Any) -> None:
+    md = main_decode(scheduler)
+    if md is not None:
+        md.abort(recv_req.rid or "", bool(recv_req.abort_all))
+
+
+_SCHED = "sglang.srt.managers.scheduler.Scheduler"
+HOOKS = (
+    Hook(f"{_SCHED}.__init__", _after_init, HookType.AFTER),
+    Hook(f"{_SCHED}._poll_timeout_aborts", _after_poll_timeout_aborts, HookType.AFTER),
+    Hook("sglang.srt.disaggregation.decode.DecodeTransferQueue.pop_transferred",
+         _after_pop_transferred, HookType.AFTER),
+    Hook(f"{_SCHED}.get_next_disagg_decode_batch_to_run", _around_next_decode_batch,
+         HookType.AROUND),
+    Hook(f"{_SCHED}.is_fully_idle", _after_is_fully_idle, HookType.AFTER),
+    Hook(f"{_SCHED}.abort_request", _after_abort_request, HookType.AFTER),
+)  # fmt: skip
