@@ -10,3 +10,10 @@ import pytest
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="the testbed needs root (network namespaces, veth and TUN devices)"
 )
+
+
+def without_gpu(why: str) -> pytest.MarkDecorator:
+    """For a test that only means something on a machine with no GPU; `why` is printed."""
+    from pdd.srt.cpu_support import has_gpu
+
+    return pytest.mark.skipif(has_gpu(), reason=f"a GPU is present: {why}")

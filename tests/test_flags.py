@@ -97,3 +97,24 @@ def test_the_extend_kernel_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     config.to_env()
     assert PddConfig.from_env().extend_kernel == "triton"
     PddConfig(role=None).to_env()
+
+
+@pytest.mark.parametrize(
+    ("ranks", "cpus", "bind"),
+    [(2, [0, 1], "0|1"), (2, [0, 1, 2, 3], "0-1|2-3"), (4, [0, 1], "0|1|0|1"),
+     (2, [0, 2, 4, 6], "0,2|4,6"), (3, [0, 1, 2, 3, 4, 5, 6], "0-1|2-3|4-5")],
+)  # fmt: skip
+def test_cpu_tp_ranks_get_disjoint_cpu_slices(ranks: int, cpus: list[int], bind: str) -> None:
+    from pdd.srt.cpu_tp import threads_bind
+
+    assert threads_bind(ranks, cpus) == bind
+
+
+def test_another_sglang_version_is_named_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+
+    from pdd.srt import hooks
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.5.99")
+    with pytest.raises(SystemExit, match=r"pdd needs sglang==0.5.23, but 0.5.99 is installed"):
+        hooks.check_startup("here")

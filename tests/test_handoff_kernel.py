@@ -15,11 +15,16 @@ from pathlib import Path
 import pytest
 
 from pdd.control.messages import Ack, Chunk, Handoff
+from tests.marks import without_gpu
 from tests.test_main_decode import Deployment, Parked, reference, started
 from tests.test_pd_same_dc import random_ids
 
 KERNEL_LOG = "handoff extends use the Triton extend kernel"
 FALLBACK_LOG = "handoff extends use SGLang's attention"
+
+
+# On a GPU MD runs the kernel natively (`auto`); tests/test_main_decode.py covers it there.
+pytestmark = without_gpu("this checks the kernel in Triton's CPU interpreter")
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,7 @@ from pdd.launch.process import free_port, stop_groups
 from pdd.launch.router import main_control_port
 from pdd.launch.servers import SGLangServer
 from pdd.models.tiny import VOCAB_SIZE
+from tests.marks import without_gpu
 from tests.test_pd_same_dc import random_ids
 
 MAX_NEW = 40
@@ -60,7 +61,7 @@ class Deployment:
 
     @property
     def md_addr(self) -> str:
-        return f"tcp://127.0.0.1:{main_control_port(self.main)}"
+        return f"tcp://{self.main.host}:{main_control_port(self.main)}"
 
     def _pump(self, wait_ms: int) -> None:
         if not self.control.socket.poll(wait_ms, zmq.POLLIN):
@@ -157,7 +158,7 @@ class Parked:
         body = {
             "input_ids": ids,
             "sampling_params": sampling or SAMPLING,
-            "bootstrap_host": "127.0.0.1",
+            "bootstrap_host": dep.prefill.host,
             "bootstrap_port": dep.prefill.bootstrap_port,
             "bootstrap_room": random.randrange(1 << 62),
         }
@@ -206,6 +207,7 @@ def test_extend_handoff_continues_like_colocated(deployment: Deployment, k: int)
     assert parked.output()["output_ids"] == ref
 
 
+@without_gpu("`auto` runs pdd's Triton kernel there, not SGLang's attention")
 def test_on_a_cpu_handoff_extends_use_sglangs_attention(deployment: Deployment) -> None:
     """`--pdd-extend-kernel auto` (the default) keeps SGLang's attention where there is no GPU."""
     ids = random_ids(64, seed=3)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -77,3 +79,12 @@ def test_16_concurrent_requests_through_router(
     with ThreadPoolExecutor(max_workers=16) as pool:
         got = list(pool.map(lambda ids: greedy(pd.url, ids)["output_ids"], batch))
     assert got == expected
+
+
+def test_every_server_runs_in_float32(colocated_and_pd: tuple[SGLangServer, LocalPD]) -> None:
+    """The suite's servers run in float32 (tests/conftest.py), which exact equality needs."""
+    colocated, pd = colocated_and_pd
+    for server in (colocated, pd.prefill, pd.decode):
+        with urllib.request.urlopen(f"{server.url}/server_info", timeout=30) as resp:
+            info = json.loads(resp.read())
+        assert info["dtype"] == "float32", (server.name, info["dtype"])

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -13,15 +15,15 @@ from pdd.launch.servers import device_env
 LAUNCH = [sys.executable, "-m", "sglang.launch_server"]
 
 
-def launch(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    import os
-
+def launch(
+    args: list[str], timeout: float = 180, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         LAUNCH + args,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, **device_env()},
+        env={**os.environ, **device_env(), **(env or {})},
     )
 
 
@@ -51,3 +53,25 @@ def test_role_must_match_disaggregation_mode(
     out = launch(args)
     assert out.returncode != 0
     assert f"--pdd-role {role} needs --disaggregation-mode {needed}" in out.stderr
+
+
+# Started before anything else in every process of the server: removes a method pdd hooks, as
+# an SGLang upgrade that renamed it would.
+REMOVE_ON_IDLE = """
+from sglang.srt.managers.scheduler import Scheduler
+for klass in Scheduler.__mro__:
+    if "on_idle" in vars(klass):
+        delattr(klass, "on_idle")
+"""
+
+
+def test_a_hook_target_sglang_lacks_stops_the_server_naming_it(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(REMOVE_ON_IDLE))
+    args = ["--model-path", str(tiny_model), "--pdd-role", "relay",
+            "--disaggregation-mode", "decode"]  # fmt: skip
+    out = launch(args, env={"PYTHONPATH": str(tmp_path)})
+    assert out.returncode != 0
+    assert "hook(s) not applied" in out.stderr, out.stderr[-2000:]
+    assert "sglang.srt.managers.scheduler.Scheduler.on_idle" in out.stderr, out.stderr[-2000:]

@@ -14,10 +14,12 @@ from pdd.eval.report import percentile
 from pdd.eval.sim.calibrate import calibrate
 from pdd.eval.sim.cli import main as cli_main
 from pdd.eval.sim.cli import parse_tier
+from pdd.eval.sim.clock import Clock
 from pdd.eval.sim.config import ClusterConfig, Sla, Tier, deployment
 from pdd.eval.sim.costs import StepCosts, prediction_error
-from pdd.eval.sim.economics import bcr, change, handoff_microbench, kv_gbit_s
-from pdd.eval.sim.hardware import CHIP_A, CHIP_B, MOE_1T, Chip, Link, Model
+from pdd.eval.sim.economics import bcr, change, kv_gbit_s
+from pdd.eval.sim.handoff_bench import handoff_microbench
+from pdd.eval.sim.hardware import CHIP_A, CHIP_B, MOE_1T, WAN, Chip, Link, Model
 from pdd.eval.sim.planner import PlanSpace, analytic_capacity, plan, sla_capacity, window
 from pdd.eval.sim.requests import (
     SimRequest,
@@ -27,6 +29,7 @@ from pdd.eval.sim.requests import (
     rescale,
 )
 from pdd.eval.sim.simulation import Simulation, simulate
+from pdd.eval.sim.tiers import Decode, RequestState, Slot
 from pdd.policy.handoff import HandoffPolicy
 from pdd.policy.path import PathPolicy, Signals, auto_path, transfer_seconds
 
@@ -75,11 +78,19 @@ def test_moe_weights_and_extend_is_nearly_free() -> None:
     assert MOE_1T.weights_read(1) == pytest.approx(0.55e12 * 0.032)
     assert MOE_1T.weights_read(2) == pytest.approx(0.55e12 * (1 - 0.968**2))
     md = StepCosts.of(CHIP_B, 8, MOE_1T)
-    alone = md.decode_step_s(64, 64 * 64_000)
-    with_extend = md.decode_step_s(64, 64 * 64_000, 100, 100 * 64_000 + 5050, 64_000)
-    # Memory-bound: 100 recomputed tokens add < 10% to one step (the experts they touch),
-    # where decoding them would take 100 steps.
-    assert alone < with_extend < 1.1 * alone
+    step = md.decode_step_s(64, 64 * 64_000)
+    extend = md.extend_s(99, 64_000)
+    # Memory-bound: recomputing 99 tokens takes one forward where decoding them took 99 steps,
+    # but a forward of its own: it reads (almost all) the weights again, so next to a step of
+    # 64 x 64K it is not free (only one context's KV instead of 64).
+    assert 0.5 * step < extend < step
+    assert extend == pytest.approx(md.forward_s(99, 99 * 64_000 + 99 * 100 / 2, 64_000))
+    # Several handoffs in one forward: the weights once, each one's tokens and context.
+    jobs = [(99, 64_000), (10, 30_000)]
+    both = md.forward_s(109, 99 * 64_000 + 4950 + 10 * 30_000 + 55, 94_000)
+    assert md.extend_batch_s(jobs) == pytest.approx(both)
+    assert md.extend_batch_s(jobs) < md.extend_s(99, 64_000) + md.extend_s(10, 30_000)
+    assert md.extend_batch_s([(0, 64_000)]) == 0.0  # nothing to recompute: no forward
 
 
 def test_instance_memory_and_fit() -> None:
@@ -210,14 +221,93 @@ def test_extend_handoff_and_rld_share_by_hand() -> None:
     assert res.tokens == {"P": 1, "RLD": steps, "MD": 2000 - 1 - steps}
     total = sum(res.tokens.values())
     assert out.summary.rld_token_share == pytest.approx(steps / total)
+    # The HANDOFF reaches MD 10 ms after READY; MD recomputes the `steps` tokens RLD made but
+    # the last (P's token 0 included) in a forward of its own, then decodes from the last one:
+    # 2000 - 1 - steps steps, and MD's stream takes 10 ms back to the user.
+    extend = COSTS.extend_s(steps, 1000)
+    end = ready + 0.01 + extend + decode_s(1000 + steps, 2000 - 1 - steps) + 0.01
+    assert res.finish_s == pytest.approx(end)
 
 
 def test_catchup_handoff_sends_chunks() -> None:
     policy = HandoffPolicy(mode="catchup", chunk=64, threshold=16)
-    res = simulate([SimRequest(0.0, 1000, 0, 2000)], toy("pdd", handoff=policy)).results[0]
+    sim = Simulation(toy("pdd", handoff=policy), [SimRequest(0.0, 1000, 0, 2000)])
+    res = sim.run().results[0]
     assert res.handoff_mode == "catchup" and res.chunks >= 2
+    # One extend forward per chunk, and one for the final handoff unless it hands over a
+    # single token (that one is the next decode step's input: nothing to recompute).
+    assert sim.md[0].extend_forwards in (res.chunks, res.chunks + 1)
     assert res.tokens["P"] == 1 and sum(res.tokens.values()) == 2000
     assert res.tokens["RLD"] > 0 and res.tokens["MD"] > 0
+
+
+def _md_slot(md: Decode, prompt: int, target: int, finished: list[float]) -> Slot:
+    """A request admitted on `md` (parked: it runs once `md.run` says so)."""
+    st = RequestState(0, SimRequest(0.0, prompt, 0, target))
+    slot = Slot(st, prompt + target, target, lambda s: None,
+                lambda s: finished.append(md.clock.now))  # fmt: skip
+    md.request(slot)
+    return slot
+
+
+def test_md_runs_the_handoff_extend_as_its_own_forward() -> None:
+    clock = Clock()
+    md = Decode(clock, COSTS, 8)
+    finished: list[float] = []
+    running = _md_slot(md, 1000, 10, finished)
+    md.run(running, 1, 1000)
+    handed = _md_slot(md, 1000, 7, finished)
+    joined: list[tuple[float, int]] = []
+
+    def extended() -> None:
+        joined.append((clock.now, md.batch))
+        md.run(handed, 4, 1003)  # 3 tokens recomputed, the 4th is the next step's input
+
+    # The HANDOFF arrives during MD's first decode step (batch 1 at 1000: 2.001 ms).
+    clock.at(0.001, md.extend, 3, 1000, extended)
+    clock.run()
+    first = decode_s(1000, 1)
+    # The extend waits for that step, runs alone (3 tokens: 3 ms of compute), and only then
+    # does the running request get its next token: the step is not extend + decode folded
+    # into one forward (4 tokens over 2000 of KV: 4 ms in all).
+    assert joined == [(pytest.approx(first + COSTS.extend_s(3, 1000)), 1)]
+    assert COSTS.extend_s(3, 1000) == pytest.approx(3e-3)
+    # Then both decode together: 3 more steps for the handed-off request (4 -> 7 tokens), the
+    # running one's KV at 1001 and 1002 ... (weights once, both contexts, 2 new tokens each).
+    t = joined[0][0]
+    both = [(1e9 + (1001 + k + 1003 + k + 2) * 1e6) / 1e12 for k in range(3)]
+    assert finished[0] == pytest.approx(t + sum(both))
+    # The running request's last 5 steps (10 tokens in all) run alone from 1004 tokens of KV.
+    assert finished[1] == pytest.approx(t + sum(both) + decode_s(1004, 5))
+    assert md.extend_forwards == 1
+    assert md.busy_s == pytest.approx(finished[1])  # never idle from t = 0 on
+
+
+def test_handoffs_of_one_step_share_one_extend_forward() -> None:
+    clock = Clock()
+    md = Decode(clock, COSTS, 8)
+    done: list[tuple[str, float]] = []
+    # Three HANDOFFs and a CHUNK arrive while MD is idle, at the same instant: one forward for
+    # the chunk (its ACK leaves after it), then one for the three handoffs (as
+    # pdd.srt.main_decode.poll runs them), not four.
+    for _ in range(3):
+        md.extend(1, 1000, lambda: done.append(("handoff", clock.now)))
+    md.extend(2, 500, lambda: done.append(("chunk", clock.now)), False)
+    clock.run()
+    assert md.extend_forwards == 2
+    chunk = COSTS.extend_s(2, 500)
+    # Three 1-token extends in one forward: the weights once (1 GB) + 3003 tokens of KV =
+    # 4.003 ms, where three forwards would take 3 x 2.001 ms.
+    handoffs = COSTS.extend_batch_s([(1, 1000)] * 3)
+    assert handoffs == pytest.approx(4.003e-3)
+    assert (
+        done
+        == [("chunk", pytest.approx(chunk))] + [("handoff", pytest.approx(chunk + handoffs))] * 3
+    )
+    # A handoff with nothing to recompute (RLD gave MD only token 0) costs no forward.
+    md.extend(0, 1000, lambda: done.append(("empty", clock.now)))
+    clock.run()
+    assert md.extend_forwards == 2 and done[-1] == ("empty", pytest.approx(chunk + handoffs))
 
 
 def test_relay_finishes_before_md() -> None:
@@ -285,7 +375,13 @@ def test_handoff_microbench_shape() -> None:
     assert d["handoff_bytes"] < 2048  # token ids, not KV
     # Jitter adds up over ship's round trips: a wider spread than recompute's.
     assert d["ship"]["std"] > d["recompute"]["std"]
-    assert d["md_step_extend_s"] < 1.1 * d["md_step_s"]
+    # Recompute: one way, half of MD's step in flight on average, then the extend of 99 tokens
+    # as its own forward and the decode step the request joins (65 x 64K), one after the other.
+    assert d["extend_s"] == pytest.approx(StepCosts.of(CHIP_B, 8, MOE_1T).extend_s(99, 64_000))
+    expected = WAN.mean_one_way_s() + d["md_step_s"] / 2 + d["extend_s"] + d["md_step_joined_s"]
+    assert d["recompute"]["mean"] == pytest.approx(expected, rel=0.03)
+    assert d["md_step_s"] < d["md_step_joined_s"]
+    assert "Instances: MD 1 x TP8 B decoding 64 x 64K." in rep.markdown()
 
 
 # -- capacity and planning -------------------------------------------------------------------
@@ -327,10 +423,21 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
             "--output", "20", "--kinds", "same-dc,pdd"]  # fmt: skip
     assert cli_main(args) == 0
     out = capsys.readouterr().out
-    assert "| same-dc: P 5x8A, D 6x8A |" in out and "| pdd: P 5x7A, MD 4x8B, RLD 1x8A |" in out
+    assert "| same-dc: P 5 x TP8 A, D 6 x TP8 A |" in out
+    assert "| pdd: P 5 x TP7 A, RLD 1 x TP8 A, MD 4 x TP8 B |" in out
     assert cli_main(["repro", "--only", "ad", "--quick"]) == 0
     out = capsys.readouterr().out
     assert "> 180 Gbit/s" in out and "4649 KB" in out
+    # Which instances each table assumes (the paper gives only chip counts).
+    assert "Instances: P 5 x TP7 A, RLD 1 x TP8 A, MD 4 x TP8 B." in out
+    assert "Instances: MD 1 x TP8 B decoding 64 x 64K." in out
+    args = ["plan", "--workload", "fixed", "--requests", "40", "--prompt", "4000", "--output",
+            "20", "--p-counts", "5", "--rld-counts", "1", "--md-counts", "3", "--top", "1",
+            "--window", "10", "--chips-per-instance", "16"]  # fmt: skip
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert "| pdd: P 5 x TP16 A, RLD 1 x TP16 A, MD 3 x TP16 B |" in out
+    assert "Instances: P 5 x TP16 A, RLD 1 x TP16 A, MD 3 x TP16 B" in out
     assert cli_main(["nope"]) == 2
 
 

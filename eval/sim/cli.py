@@ -6,7 +6,8 @@
     python -m pdd.eval plan --p-chips A,B --md-chips A,B --budget 90
     python -m pdd.eval repro --out /tmp/repro
 
-Deployments are written NxKC: N instances of K chips of type C (chips: A, B), e.g. 5x7A.
+Deployments are written NxKC: N instances of K chips of type C (chips: A, B), e.g. 5x7A; an
+instance is one SGLang server at --tp-size K (one model copy), printed as "5 x TP7 A".
 `sim` prints one row per deployment kind (same-dc, naive, cache, pdd); `plan` ranks counts of
 P, RLD and MD by BCR (SLA throughput / hardware cost); `repro` reruns the paper's numbers
 (a: bandwidth feasibility, b: bathtub, c: cost table, d: handoff microbenchmark).
@@ -21,13 +22,14 @@ import json
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from pdd.eval.sim.config import KINDS, ClusterConfig, Sla, Tier, deployment
 from pdd.eval.sim.hardware import CHIPS, LINKS, MODELS
+from pdd.eval.sim.render import bathtub_plot, cdf_plot, plan_table, sim_table
 from pdd.eval.sim.requests import (
     SimRequest,
     agentic_requests,
@@ -35,7 +37,6 @@ from pdd.eval.sim.requests import (
     fixed_requests,
     rescale,
 )
-from pdd.eval.sim.results import SimResult
 from pdd.eval.sim.simulation import simulate
 from pdd.policy.handoff import MODES, HandoffPolicy
 
@@ -183,72 +184,10 @@ def _write(out: Path, name: str, text: str) -> Path:
     return path
 
 
-def _plt() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 # ----------------------------------------------------------------------------------------------
 # sim
 
 SIM_DOC = "Simulates the workload on each deployment kind and prints their metrics side by side."
-
-
-def _fmt_ms(x: float) -> str:
-    return f"{x * 1e3:.0f}"
-
-
-def sim_table(results: Sequence[SimResult], sla: Sla) -> str:
-    head = (
-        "| deployment | cost | offered/s | done/s | goodput/s | SLA met | TTFT p50/p90/p99 s | "
-        "TPOT p50/p99 ms | E2E p50 s | WAN Gbit/s | RLD tokens | paths |"
-    )
-    lines = [head, "|" + "---|" * 12]
-    for r in results:
-        s = r.summary
-        t, p = s.ttft_s, s.tpot_s
-        paths = ", ".join(f"{k} {v}" for k, v in sorted(s.paths.items()))
-        lines.append(
-            f"| {r.config.describe()} | {s.cost:.1f} | {s.offered_rps:.2f} | "
-            f"{s.throughput_rps:.2f} | "
-            f"{s.goodput_rps:.2f} | {s.sla_met:.0%} | {t['p50']:.2f}/{t['p90']:.2f}/"
-            f"{t['p99']:.2f} | {_fmt_ms(p['p50'])}/{_fmt_ms(p['p99'])} | {s.e2e_s['p50']:.1f} | "
-            f"{s.wan_gbit_s:.1f} | {s.rld_token_share:.1%} | {paths} |"
-        )
-    lines.append("")
-    lines.append(
-        f"done/s and goodput/s (requests with TTFT <= {sla.ttft_s:g} s and TPOT <= "
-        f"{sla.tpot_s * 1e3:g} ms) are per second of the whole run, drain included; "
-        "utilisation (time running forwards; WAN: average line load): "
-        + "; ".join(
-            f"{r.config.kind} "
-            + ", ".join(f"{k} {v:.0%}" for k, v in r.summary.utilisation.items())
-            for r in results
-        )
-    )
-    return "\n".join(lines) + "\n"
-
-
-def _cdf_plot(results: Sequence[SimResult], path: Path) -> None:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in results:
-        xs = sorted(x.ttft_s for x in r.results)
-        ys = [(i + 1) / len(xs) for i in range(len(xs))]
-        ax.plot(xs, ys, label=r.config.kind)
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT (s)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("TTFT CDF per deployment")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def _sim(argv: list[str]) -> int:
@@ -291,7 +230,7 @@ def _sim(argv: list[str]) -> int:
     if a.out:
         _write(a.out, "sim.json", json.dumps(doc, indent=1, default=str))
         _write(a.out, "sim.md", table)
-        _cdf_plot(results, a.out / "ttft_cdf.png")
+        cdf_plot(results, a.out / "ttft_cdf.png")
         _log(f"sim: wrote {a.out}/sim.json, sim.md, ttft_cdf.png")
     return 0
 
@@ -321,23 +260,6 @@ PLAN_DOC = (
 )
 
 
-def plan_table(cands: Sequence[Any], rows: int) -> str:
-    lines = [
-        "| rank | deployment | cost | limit | analytic req/s | analytic BCR | "
-        "simulated SLA req/s | simulated BCR |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for i, c in enumerate(cands[:rows], 1):
-        d = c.to_dict()
-        sim = "-" if d["sla_rps"] is None else f"{d['sla_rps']:.2f}"
-        b = "-" if d["bcr"] is None else f"{d['bcr']:.3f}"
-        lines.append(
-            f"| {i} | {d['deployment']} | {d['cost']:.1f} | {d['bottleneck']} | "
-            f"{d['analytic_rps']:.2f} | {d['analytic_bcr']:.3f} | {sim} | {b} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
 def _plan(argv: list[str]) -> int:
     from pdd.eval.sim.planner import PlanSpace, plan
 
@@ -351,7 +273,12 @@ def _plan(argv: list[str]) -> int:
     g.add_argument("--p-chips", type=_chips, default=_chips("A"))
     g.add_argument("--rld-chips", type=_chips, default=_chips("A"))
     g.add_argument("--md-chips", type=_chips, default=_chips("B"))
-    g.add_argument("--chips-per-instance", type=int, default=8)
+    g.add_argument(
+        "--chips-per-instance",
+        type=int,
+        default=8,
+        help="the TP size of every P, RLD and MD instance (default %(default)s)",
+    )
     g.add_argument("--budget", type=float, help="hardware cost ceiling (chip-A units)")
     g.add_argument("--max-chips", type=int)
     g.add_argument("--top", type=int, default=4, help="candidates to simulate")
@@ -382,7 +309,8 @@ def _plan(argv: list[str]) -> int:
         + f". SLA: P{round(sla.quantile * 100)} TTFT <= {sla.ttft_s:g} s, TPOT <= "
         f"{sla.tpot_s * 1e3:g} ms. {len(ranked)} candidates, {time.monotonic() - t:.1f} s."
     )
-    table = plan_table(ranked, 10) + "\n" + verdict + "\n"
+    instances = f"Instances: {best.config.instances()} (each tier's TP size: --chips-per-instance)."
+    table = plan_table(ranked, 10) + "\n" + verdict + "\n" + instances + "\n"
     doc = {"sla": sla.__dict__, "candidates": [c.to_dict() for c in ranked[:20]]}
     if a.json:
         print(json.dumps(doc, indent=1))
@@ -401,29 +329,9 @@ REPRO_DOC = "Reruns the paper's numbers in the simulator; each table shows the p
 PARTS = {"a": "feasibility", "b": "bathtub", "c": "cost", "d": "handoff"}
 
 
-def _bathtub_plot(points: Sequence[dict[str, Any]], path: Path) -> None:
-    plt = _plt()
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
-    hits = [p["hit"] * 100 for p in points]
-    for key, label in (("pdd", "PDD"), ("cache", "cross-DC + decode cache"),
-                       ("pdd_ideal_wan", "PDD, ideal WAN")):  # fmt: skip
-        ax.plot(hits, [p[key] for p in points], marker="o", label=label)
-    ax.set_yscale("symlog", linthresh=1)
-    ax.set_ylabel("SLA throughput (req/s)")
-    ax.legend()
-    ax.grid(True, alpha=0.3)
-    ax2.plot(hits, [p["pdd_vs_ideal"] for p in points], marker="o", color="C3")
-    ax2.set_ylabel("PDD / ideal-WAN PDD")
-    ax2.set_xlabel("prefix hit rate (%)")
-    ax2.grid(True, alpha=0.3)
-    fig.suptitle("Bathtub: SLA throughput vs hit rate")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def _repro(argv: list[str]) -> int:
     from pdd.eval.sim import economics as ec
+    from pdd.eval.sim.handoff_bench import handoff_microbench
 
     p = argparse.ArgumentParser(prog="python -m pdd.eval repro", description=REPRO_DOC)
     p.add_argument("--only", default="abcd", help="which of a, b, c, d (default all)")
@@ -448,7 +356,7 @@ def _repro(argv: list[str]) -> int:
         elif part == "c":
             repros.append(ec.cost_table(window_s=60 if a.quick else 100, progress=_log))
         else:
-            repros.append(ec.handoff_microbench(samples=500 if a.quick else 2000))
+            repros.append(handoff_microbench(samples=500 if a.quick else 2000))
         _log(f"repro: ({part}) done in {time.monotonic() - t:.1f} s")
     text = "\n".join(r.markdown() for r in repros)
     doc = [r.to_dict() for r in repros]
@@ -458,7 +366,7 @@ def _repro(argv: list[str]) -> int:
         _write(a.out, "repro.json", json.dumps(doc, indent=1, default=str))
         for r in repros:
             if r.name == "bathtub":
-                _bathtub_plot(r.data["points"], a.out / "bathtub.png")
+                bathtub_plot(r.data["points"], a.out / "bathtub.png")
         _log(f"repro: wrote {a.out} ({time.monotonic() - t0:.0f} s in all)")
     return 0
 

@@ -17,9 +17,12 @@ TIERS = ("P", "RLD", "MD")  # output tokens are credited to these (same-dc's D c
 
 @dataclass(frozen=True)
 class Tier:
+    """`instances` SGLang servers of one tier, each `chips` chips at `--tp-size chips` holding
+    one copy of the model (the same instance size as the real deployment runs)."""
+
     chip: Chip
     instances: int
-    chips: int = 8  # per instance
+    chips: int = 8  # per instance: its TP size
     max_batch: int = 128  # decode slots per instance
     costs: StepCosts | None = None  # None: the roofline of chip x chips
 
@@ -34,6 +37,10 @@ class Tier:
     @property
     def cost(self) -> float:
         return self.chip_count * self.chip.price
+
+    def describe(self) -> str:
+        """E.g. "5 x TP7 A": five instances, each seven chips A at TP size 7."""
+        return f"{self.instances} x TP{self.chips} {self.chip.name}"
 
 
 @dataclass(frozen=True)
@@ -90,11 +97,16 @@ class ClusterConfig:
             counts[t.chip.name] = counts.get(t.chip.name, 0) + t.chip_count
         return counts
 
+    def instances(self) -> str:
+        """The instance sizes simulated, e.g. "P 5 x TP7 A, RLD 1 x TP8 A, MD 4 x TP8 B"
+        (same-dc's decode tier is D)."""
+        tiers = self.tiers
+        names = ("P", "RLD", "MD" if self.kind != "same-dc" else "D")
+        return ", ".join(f"{n} {tiers[t].describe()}" for n, t in zip(names, TIERS, strict=True)
+                         if t in tiers)  # fmt: skip
+
     def describe(self) -> str:
-        parts = [f"{n} {t.instances}x{t.chips}{t.chip.name}" for n, t in self.tiers.items()]
-        if self.kind == "same-dc":
-            parts[1] = parts[1].replace("MD", "D")
-        return f"{self.kind}: " + ", ".join(parts)
+        return f"{self.kind}: {self.instances()}"
 
     def step_costs(self, tier: Tier) -> StepCosts:
         if tier.costs is not None:

@@ -1,16 +1,18 @@
 """How long one forward step takes on one instance: a roofline.
 
-Every forward (a prefill batch, a decode step, an extend that recomputes handed-off tokens, or a
-decode step with extends folded in) reduces to three numbers: new tokens, attention pairs (each
-new token times the context it attends to) and context tokens whose KV is read. Its time is a
-fixed per-step overhead plus the larger of compute time and memory time:
+Every forward (a prefill batch, a decode step, or an extend that recomputes handed-off tokens)
+reduces to three numbers: new tokens, attention pairs (each new token times the context it
+attends to) and context tokens whose KV is read. Its time is a fixed per-step overhead plus the
+larger of compute time and memory time:
 
     flops = 2 x active_params x tokens + attn_flops_per_pair x pairs
     bytes = weights read (MoE: at most tokens x active weights) + (context + tokens) x KV/token
     t     = overhead + max(flops / (peak x MFU), bytes / (bandwidth x utilisation))
 
-Prefill is compute-bound, decode memory-bound, and an extend of k tokens costs about one decode
-step's memory traffic plus k tokens of compute: the reason Extend-Decode handoff is cheap.
+Prefill is compute-bound, decode memory-bound, and an extend of k tokens costs one pass over the
+weights and its requests' KV plus k tokens of compute: the reason Extend-Decode handoff is cheap.
+MD runs its extends as forwards of their own between decode steps (pdd.srt.main_decode), so a
+handoff costs `extend_batch_s` on top of the decode step, never a share of it.
 `StepCosts.calibrate` fits the effective compute and bandwidth to times measured on a real
 machine, so the same simulator can be checked against the live harness.
 """
@@ -55,8 +57,8 @@ class StepCosts:
         overhead_s: float = 0.01,
         kv_mem_fraction: float = 0.9,
     ) -> StepCosts:
-        """An instance of `chips` chips holding one copy of the model (tensor/expert parallel;
-        the communication between its chips is not modelled)."""
+        """An instance of `chips` chips holding one copy of the model: an SGLang server at
+        `--tp-size chips` (the communication between its chips is not modelled)."""
         if chips < 1:
             raise ValueError("an instance needs at least one chip")
         free = chips * chip.mem_gb * GB - model.weight_bytes
@@ -121,19 +123,19 @@ class StepCosts:
         pairs = sum(prefill_pairs(n, c) for n, c in jobs)
         return self.forward_s(tokens, pairs, sum(c for _, c in jobs))
 
-    def decode_step_s(
-        self, batch: int, kv_tokens: float, extend_tokens: int = 0, extend_pairs: float = 0.0,
-        extend_kv: float = 0.0,
-    ) -> float:  # fmt: skip
-        """One decode step of `batch` requests holding `kv_tokens` context in all, with extends
-        (handed-off tokens recomputed) folded into the same forward."""
-        return self.forward_s(
-            batch + extend_tokens, kv_tokens + extend_pairs, kv_tokens + extend_kv
-        )
+    def decode_step_s(self, batch: int, kv_tokens: float) -> float:
+        """One decode step of `batch` requests holding `kv_tokens` context in all."""
+        return self.forward_s(batch, kv_tokens, kv_tokens)
 
     def extend_s(self, tokens: int, context: int) -> float:
         """An extend alone: `tokens` handed-off tokens recomputed over `context` tokens of KV."""
-        return self.forward_s(tokens, prefill_pairs(tokens, context), context)
+        return self.extend_batch_s([(tokens, context)])
+
+    def extend_batch_s(self, jobs: Sequence[tuple[int, int]]) -> float:
+        """One extend forward over several (tokens, context) handoffs, as MD batches those that
+        arrive in one scheduler step: their tokens, their attention pairs over their contexts,
+        one pass over the weights (0 when there is nothing to recompute: MD skips it)."""
+        return self.prefill_batch_s(jobs)
 
     def send_s(self, nbytes: float, latency_s: float = 0.0) -> float:
         """KV sent to another instance in the same datacenter (RDMA)."""

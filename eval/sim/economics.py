@@ -4,26 +4,25 @@ ours and says why they differ.
 (a) bandwidth feasibility: the KV a prefill cluster produces versus a WAN line;
 (b) the bathtub: SLA throughput versus prefix hit rate;
 (c) the cost table: 88 chips A in one datacenter versus 43 A + 32 B + a WAN line;
-(d) the 100-token handoff microbenchmark: ship the KV over the WAN or recompute it on MD.
+(d) the 100-token handoff microbenchmark: ship the KV over the WAN or recompute it on MD
+    (handoff_bench.py).
 
 Our inputs are stand-ins (see hardware.py): where a number matches the paper by construction
-(an input taken from it) the note says so.
+(an input taken from it) the note says so. Each table says which instances it simulates (TP size
+= chips per instance), since the paper gives only chip counts.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import random
-import statistics
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdd.eval.sim.config import ClusterConfig, Sla, Tier, deployment
-from pdd.eval.sim.costs import StepCosts, prefill_pairs
-from pdd.eval.sim.hardware import CHIP_A, CHIP_B, LINKS, MOE_1T, WAN, Link, Model
+from pdd.eval.sim.hardware import CHIP_A, CHIP_B, LINKS, WAN, Link
 from pdd.eval.sim.planner import (
     MakeRequests,
     analytic_capacity,
@@ -57,9 +56,13 @@ class Repro:
     rows: list[Row]
     data: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    instances: str = ""  # the instance sizes it assumes, e.g. "P 5 x TP7 A, ..."
 
     def markdown(self) -> str:
-        lines = [f"### {self.title}", "", "| metric | paper | ours | note |", "|---|---|---|---|"]
+        lines = [f"### {self.title}", ""]
+        if self.instances:
+            lines += [f"Instances: {self.instances}.", ""]
+        lines += ["| metric | paper | ours | note |", "|---|---|---|---|"]
         lines += [f"| {r.metric} | {r.paper} | {r.ours} | {r.note} |" for r in self.rows]
         lines += [""] + [f"- {n}" for n in self.notes]
         return "\n".join(lines).rstrip() + "\n"
@@ -68,6 +71,7 @@ class Repro:
         return {
             "name": self.name,
             "title": self.title,
+            "instances": self.instances,
             "rows": [r.__dict__ for r in self.rows],
             "notes": self.notes,
             "data": self.data,
@@ -142,7 +146,8 @@ def feasibility(config: ClusterConfig | None = None, sla: Sla = SLA) -> Repro:
     ]  # fmt: skip
     data = {"prefill_rps": p_rps, "prompt_tokens_s": tokens, "gbit_s_no_cache": raw,
             "gbit_s_cache": cached, "gbit_s_fresh": kv_gbit_s(p_cold, kvb)}  # fmt: skip
-    return Repro("feasibility", "(a) Bandwidth feasibility", rows, data)
+    return Repro("feasibility", "(a) Bandwidth feasibility", rows, data,
+                 instances=cfg.instances())  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -241,8 +246,9 @@ def bathtub(
         "Cache-only cross-DC PD (no RLD): below ~60% hit the transfer alone breaks the TTFT "
         "SLA, so its SLA throughput is zero there; the RLD is what fills that side of the tub.",
     ]
+    instances = f"{deployment('pdd').instances()}; cache-only: {deployment('cache').instances()}"
     return Repro("bathtub", "(b) Bathtub: SLA throughput vs hit rate", rows,
-                 {"points": points}, notes)  # fmt: skip
+                 {"points": points}, notes, instances)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,11 +358,8 @@ def cost_table(
         "on our stand-in chips, tier sizes and SLA, none of which the paper gives: the "
         "direction and size class are the claim, not the digits.",
     ]
-    return Repro("cost", "(c) Cost table", rows, data, notes)
-
-
-# ----------------------------------------------------------------------------------------------
-# (d) the handoff microbenchmark
+    instances = f"baseline {best_base.instances()}; PDD {pdd_cfg.instances()}"
+    return Repro("cost", "(c) Cost table", rows, data, notes, instances)
 
 
 def _bottleneck(bounds: dict[str, float]) -> str:
@@ -365,79 +368,9 @@ def _bottleneck(bounds: dict[str, float]) -> str:
     return f"{name} ({tiers[name]:.1f} req/s)"
 
 
-def handoff_message_bytes(tokens: int, vocab: int = 160_000, seed: int = 0) -> int:
-    """Bytes of this repository's real HANDOFF control message carrying `tokens` token ids."""
-    from pdd.control.messages import Handoff, encode
-
-    rng = random.Random(seed)
-    ids = tuple(rng.randrange(vocab) for _ in range(tokens))
-    return len(encode(Handoff("chatcmpl-0123456789abcdef01234567", 0, ids)))
-
-
-def _stats(xs: Sequence[float]) -> dict[str, float]:
-    return {"mean": statistics.fmean(xs), "max": max(xs), "std": statistics.pstdev(xs)}
-
-
-def handoff_microbench(
-    *,
-    samples: int = 2000,
-    tokens: int = 100,
-    context: int = 64_000,
-    md_batch: int = 64,
-    model: Model = MOE_1T,
-    link: Link = WAN,
-    seed: int = 0,
-) -> Repro:
-    """Time until MD holds the KV of `tokens` handed-off tokens. Ship: gather on RLD, one
-    transfer on an idle TCP connection (slow start; every round trip jittered), scatter on
-    MD. Recompute: the HANDOFF message's one-way delay, waiting for MD's step in flight, then
-    one step of MD's batch (`md_batch` requests at `context` tokens) with the extend folded in."""
-    rng = random.Random(seed)
-    md = StepCosts.of(CHIP_B, 8, model)
-    nbytes = tokens * model.kv_bytes_per_token
-    copies = nbytes / (8 * CHIP_A.mem_bw_gbs * 1e9) + nbytes / (8 * CHIP_B.mem_bw_gbs * 1e9)
-    step = md.decode_step_s(md_batch, md_batch * context)
-    ext = md.decode_step_s(md_batch, md_batch * context, tokens, prefill_pairs(tokens, context),
-                           context)  # fmt: skip
-    ship, recompute = [], []
-    for _ in range(samples):
-        ship.append(copies + link.cold_transfer_s(nbytes, rng))
-        recompute.append(link.one_way_s(rng) + rng.uniform(0, step) + ext)
-    s, r = _stats(ship), _stats(recompute)
-    msg = handoff_message_bytes(tokens)
-
-    def ms(d: dict[str, float]) -> str:
-        return f"mean {d['mean'] * 1e3:.0f}, max {d['max'] * 1e3:.1f}, std {d['std'] * 1e3:.1f} ms"
-
-    rows = [
-        Row("ship KV: bytes", "4649 KB", f"{nbytes / 1024:.0f} KB",
-            "matches by construction (our KV/token is taken from it)"),
-        Row("ship KV: device copies", "24.5 ms", f"{copies * 1e3:.3f} ms",
-            "ours is bytes / memory bandwidth; the paper's is launch/per-layer overhead "
-            "a roofline does not see"),
-        Row("ship KV: time", "mean 185, max 512.6 ms", ms(s),
-            f"slow start on an idle connection: ~{math.ceil(math.log2(nbytes / 14600 + 1))} "
-            f"round trips of {link.rtt_ms:g} ms (+ jitter); the paper's RTT is not given"),
-        Row("recompute: bytes", "1.5 KB", f"{msg / 1024:.2f} KB",
-            "this repository's msgpack HANDOFF with 100 ids; the paper's format is larger"),
-        Row("recompute: time", "mean 305, max 321.4, std 4.8 ms", ms(r),
-            f"one MD step of {md_batch} x {context // 1000}K with the extend folded in: "
-            f"{ext * 1e3:.1f} ms vs {step * 1e3:.1f} ms without (nearly free); the paper's "
-            "305 ms includes serving overheads our roofline lacks; our std comes mostly from "
-            "waiting for MD's step in flight (uniform over one step)"),
-        Row("tail (max - mean)", "ship 327.6 ms, recompute 16.4 ms",
-            f"ship {(s['max'] - s['mean']) * 1e3:.0f} ms, recompute "
-            f"{(r['max'] - r['mean']) * 1e3:.0f} ms",
-            "jitter adds up over ship's ~9 round trips, recompute sees one one-way delay; the "
-            "paper's +328 ms looks like a TCP retransmission timeout (Linux's minimum RTO is "
-            "200 ms), which our loss-free jitter model lacks"),
-    ]  # fmt: skip
-    data = {"ship": s, "recompute": r, "ship_bytes": nbytes, "handoff_bytes": msg,
-            "copies_s": copies, "md_step_s": step, "md_step_extend_s": ext}  # fmt: skip
-    return Repro("handoff", "(d) 100-token handoff microbenchmark", rows, data)
-
-
 def run_all(progress: Progress | None = None, jobs: int | None = None) -> list[Repro]:
+    from pdd.eval.sim.handoff_bench import handoff_microbench  # it imports Repro from here
+
     out = [feasibility()]
     if progress:
         progress("feasibility done")

@@ -262,6 +262,7 @@ class Candidate:
     def to_dict(self) -> dict[str, Any]:
         return {
             "deployment": self.config.describe(),
+            "instances": self.config.instances(),
             "cost": self.cost,
             "analytic_rps": self.analytic["capacity"],
             "analytic_bcr": self.analytic_bcr,

@@ -13,9 +13,14 @@ What is modelled:
 - P instances run FIFO prefill batches (up to `prefill_batch_tokens` new tokens; a longer prompt
   runs alone); the step time is the roofline of `costs.StepCosts`. P produces output token 0.
 - Decode instances (D, RLD, MD) run continuous batching: every step produces one token for each
-  running request; extends (handoff recomputes) join the next step. A request is admitted when a
-  slot (`max_batch`) and KV memory for its prompt and output are free, else it waits (a cached
-  prefix counts too: each agent session's context is its own, not shared between requests).
+  running request. MD's handoffs run as pdd.srt.main_decode runs them: the CHUNKs and HANDOFFs
+  that arrived during a step are acted on before the next one, in one extend forward for the
+  chunks and one for the handoffs (the tokens' KV over their contexts, one pass over the
+  weights), and the decode step waits for them; a handed-off request joins that decode step,
+  whose input is its last handed-over token (MD recomputes the others). A request is admitted
+  when a slot (`max_batch`) and KV memory for its prompt and output are free, else it waits (a
+  cached prefix counts too: each agent session's context is its own, not shared between
+  requests).
 - The WAN shares its line fairly between concurrent KV transfers, each capped at the TCP flow
   rate; every message also takes one sampled one-way delay. Control messages (READY, chunks,
   ACKs, HANDOFF) take one one-way delay and no bandwidth. RDMA (P -> RLD, P -> D) is not
@@ -27,9 +32,12 @@ What is modelled:
   workload's reused prefix tokens) is given: a full MD remembers less. `naive` MD has no cache;
   RLD and same-DC D get the whole prompt's KV.
 - MD reserves memory when the KV lands (SGLang reserves before the transfer: small difference).
+- Each instance is `Tier.chips` chips at that TP size, one copy of the model; its step costs are
+  the roofline of all its chips.
 Not modelled: P-side cache effects beyond the given cached tokens, tensor-parallel
 communication, preemption/retraction, per-session cache state, TCP slow start in the cluster
-(connections stay warm), failures.
+(connections stay warm), MD's handoff batching window (`--pdd-handoff-batch-ms`, default 0),
+failures.
 """
 
 from __future__ import annotations
@@ -273,7 +281,7 @@ class Simulation:
             self.clock.at(self.clock.now + one_way(self.rng), self._on_ack, st, step.end)
 
         self.clock.at(self.clock.now + one_way(self.rng), self.md[md].extend, step.size, ctx,
-                      extended)  # fmt: skip
+                      extended, False)  # fmt: skip
 
     def _on_ack(self, st: RequestState, done: int) -> None:
         if st.finished:
@@ -290,14 +298,15 @@ class Simulation:
         self._release_relay(st)
         st.tokens["RLD"] = max(available - 1, 0)
         base = max(available, 1)
-        k = base - st.md_done
+        # MD recomputes all handed-over tokens but the last (the next decode step's input).
+        k = base - 1 - st.md_done
         md, slot, prompt = st.md, st.md_slot, st.req.prompt_tokens
         assert md is not None and slot is not None
 
         def extended() -> None:
             if available == 0:
                 st.see_first(self.clock.now + st.stream_delay_s)
-            self.md[md].run(slot, base + 1, prompt + base)
+            self.md[md].run(slot, base, prompt + base - 1)
 
         t = self.clock.now + self.cfg.link.one_way_s(self.rng)
         self.clock.at(t, self.md[md].extend, k, prompt + st.md_done, extended)

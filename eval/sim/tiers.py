@@ -1,5 +1,6 @@
 """The simulated instances and what they hold: a P instance's FIFO prefill batches, a decode
-instance's continuous batching (D, RLD and MD alike), and the per-request state both move along.
+instance's continuous batching (D, RLD and MD alike; MD also runs handoff extends), and the
+per-request state both move along.
 
 They know only the clock and their own costs; what happens when a request is prefilled,
 admitted or finished is a callback, decided by `simulation.Simulation` (the router's part)."""
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdd.eval.sim.clock import Clock
-from pdd.eval.sim.costs import StepCosts, prefill_pairs
+from pdd.eval.sim.costs import StepCosts
 from pdd.eval.sim.requests import SimRequest
 
 
@@ -117,8 +118,24 @@ class Prefill:
             self._start()
 
 
+@dataclass(frozen=True)
+class Extend:
+    """Handed-over tokens MD must recompute: `tokens` new ones over `context` tokens of KV."""
+
+    tokens: int
+    context: int
+    on_done: Callable[[], None]
+    handoff: bool  # the final HANDOFF (False: a Catch-Up CHUNK)
+
+
 class Decode:
-    """Continuous batching: each step gives every running request one token."""
+    """Continuous batching: each step gives every running request one token.
+
+    MD's handoffs as pdd.srt.main_decode runs them: what arrived while a step ran is acted on
+    before the next decode step, synchronously (MD runs without the overlap scheduler): one
+    extend forward for all the chunks, then one for all the handoffs (two `_safe_extend`
+    calls), each skipped when it has no token to recompute; then the decode step, which the
+    handed-off requests join (SGLang merges them into the running batch in the same loop)."""
 
     def __init__(self, clock: Clock, costs: StepCosts, max_batch: int) -> None:
         self.clock, self.costs, self.max_batch = clock, costs, max_batch
@@ -129,7 +146,8 @@ class Decode:
         self.slots = 0  # admitted: running or waiting for a handoff
         self.waiting: deque[Slot] = deque()
         self.joining: list[Slot] = []
-        self.extends: list[tuple[int, int, Callable[[], None]]] = []
+        self.extends: list[Extend] = []
+        self.extend_forwards = 0  # extend forwards run (each one pass over the weights)
         self.finishes: list[tuple[int, int, Slot]] = []
         self._seq = itertools.count()
         self.stepping = False
@@ -178,8 +196,12 @@ class Decode:
         self.joining.append(slot)
         self._kick()
 
-    def extend(self, tokens: int, context: int, on_done: Callable[[], None]) -> None:
-        self.extends.append((tokens, context, on_done))
+    def extend(
+        self, tokens: int, context: int, on_done: Callable[[], None], handoff: bool = True
+    ) -> None:
+        """Recompute `tokens` handed-over tokens over `context` tokens of KV before the next
+        decode step; `on_done` runs when their forward ends (a handoff joins that step)."""
+        self.extends.append(Extend(tokens, context, on_done, handoff))
         self._kick()
 
     def release(self, slot: Slot) -> None:
@@ -207,6 +229,37 @@ class Decode:
         self.kicked = False
         if self.stepping or not (self.batch or self.joining or self.extends):
             return
+        self.stepping = True
+        ext, self.extends = self.extends, []
+        now = self.clock.now
+        # MD's order (pdd.srt.main_decode.poll): the chunks' forward, whose ACKs leave at once,
+        # then the handoffs' forward; the decode step waits for both.
+        chunks = [e for e in ext if not e.handoff]
+        handoffs = [e for e in ext if e.handoff]
+        t = now + self._extend_forward(chunks)
+        for e in chunks:
+            self.clock.at(t, e.on_done)
+        t += self._extend_forward(handoffs)
+        if t > now:
+            self.last_s = t
+            self.clock.at(t, self._extended, handoffs)
+        else:
+            self._extended(handoffs)
+
+    def _extend_forward(self, group: list[Extend]) -> float:
+        """One extend forward over `group`'s tokens (none when no token needs its KV)."""
+        jobs = [(e.tokens, e.context) for e in group if e.tokens > 0]
+        if not jobs:
+            return 0.0
+        self.extend_forwards += 1
+        dt = self.costs.extend_batch_s(jobs)
+        self.busy_s += dt
+        return dt
+
+    def _extended(self, handoffs: list[Extend]) -> None:
+        """The extends are done: the handed-off requests join; then the decode step."""
+        for e in handoffs:
+            e.on_done()
         for slot in self.joining:
             slot.running = True
             slot.joined = self.steps
@@ -215,19 +268,18 @@ class Decode:
             end = self.steps + slot.target - slot.visible0
             heapq.heappush(self.finishes, (end, next(self._seq), slot))
         self.joining = []
-        ext, self.extends = self.extends, []
-        if ext:
-            k = sum(t for t, _, _ in ext)
-            pairs = sum(prefill_pairs(t, c) for t, c, _ in ext)
-            dt = self.costs.decode_step_s(self.batch, self.kv, k, pairs, sum(c for _, c, _ in ext))
-        else:
-            dt = self.costs.decode_step_s(self.batch, self.kv)
-        self.stepping = True
+        if not self.batch:  # only extends ran (chunks of parked requests): no decode step
+            self.stepping = False
+            self._kick()
+            return
+        self._busy(self.costs.decode_step_s(self.batch, self.kv))
+        self.clock.at(self.last_s, self._end)
+
+    def _busy(self, dt: float) -> None:
         self.busy_s += dt
         self.last_s = self.clock.now + dt
-        self.clock.at(self.last_s, self._end, ext)
 
-    def _end(self, ext: list[tuple[int, int, Callable[[], None]]]) -> None:
+    def _end(self) -> None:
         self.stepping = False
         self.steps += 1
         self.kv += self.batch
@@ -236,7 +288,5 @@ class Decode:
             if slot.active and slot.running:
                 self.release(slot)
                 slot.on_finish(slot)
-        for _, _, on_done in ext:
-            on_done()
         if not self.kicked:
             self._start()  # back to back: no extra event per step

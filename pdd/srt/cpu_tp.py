@@ -26,6 +26,7 @@ from pdd.srt.hooks import Hook
 logger = logging.getLogger(__name__)
 
 ENV_THREADS_BIND = "SGLANG_CPU_OMP_THREADS_BIND"
+ENV_THREADS = "OMP_NUM_THREADS"
 
 
 def threads_bind(ranks: int, cpus: list[int]) -> str:
@@ -51,9 +52,13 @@ def adjust_cpu_tp_args(args: argparse.Namespace) -> None:
     ranks = int(getattr(args, "tp_size", 1) or 1) * int(getattr(args, "pp_size", 1) or 1)
     if ranks <= 1 or os.environ.get(ENV_THREADS_BIND):
         return
-    bind = threads_bind(ranks, sorted(os.sched_getaffinity(0)))
+    cpus = sorted(os.sched_getaffinity(0))
+    bind = threads_bind(ranks, cpus)
     os.environ[ENV_THREADS_BIND] = bind
-    logger.info("pdd cpu: %d ranks on CPU, %s=%s", ranks, ENV_THREADS_BIND, bind)
+    # Without AMX SGLang binds nothing, and each rank's torch would start a thread per CPU.
+    threads = os.environ.setdefault(ENV_THREADS, str(max(1, len(cpus) // ranks)))
+    logger.info("pdd cpu: %d ranks on CPU, %s=%s, %s=%s", ranks, ENV_THREADS_BIND, bind,
+                ENV_THREADS, threads)  # fmt: skip
 
 
 def _around_init_model_parallel_group(original: Callable[..., Any], *args: Any, **kw: Any) -> Any:
