@@ -10,6 +10,7 @@ step. At TP 1 the same path runs, minus the broadcast.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdd.control.channel import ControlSocket
@@ -44,13 +45,13 @@ class Gatherer:
         self.held: list[Message] = []
         self.held_since = 0.0
 
-    def gather(self, on_sync: object) -> list[Message]:
+    def gather(self, on_sync: Callable[[SyncRequest], None]) -> list[Message]:
         """This step's messages; SyncRequests go to `on_sync` (the cache reporter) at once."""
         now = time.monotonic()
         ready: list[Message] = []
         for msg in self.control.recv_nowait():
             if isinstance(msg, SyncRequest):
-                on_sync(msg)  # type: ignore[operator]
+                on_sync(msg)
             elif isinstance(msg, _EXTENDS) and self.window_s > 0:
                 if not self.held:
                     self.held_since = now

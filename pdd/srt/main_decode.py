@@ -94,6 +94,7 @@ class MainDecode:
         # CANCELs that arrived before the request's KV did: rid -> (reason, when).
         self.early_cancels: dict[str, tuple[str, float]] = {}
         self.inbox: list[ControlBatch] = []  # this step's control input, the same on every rank
+        self.unsent: ControlBatch | None = None  # rank 0: gathered, not yet back from SGLang
         self.stats = Stats()
         self.stats_logged = Stats()
         self.stats_logged_at = 0.0
@@ -166,7 +167,9 @@ class MainDecode:
         """TP rank 0: this step's control input for every rank, or None when there is none."""
         if not self.leader:
             return None
-        batch = ControlBatch(self.gatherer.gather(self.reporter.on_sync_request))
+        # A batch SGLang did not deliver (its receive skipper drops a step's input) goes again.
+        batch = self.unsent or ControlBatch()
+        batch.messages += self.gatherer.gather(self.reporter.on_sync_request)
         now = time.monotonic()
         limit = self.config.park_timeout_s
         batch.forgotten = [r for r, (_, at) in self.early_cancels.items() if now - at > limit]
@@ -175,10 +178,13 @@ class MainDecode:
             for rid, p in self.parked.items()
             if now - p.parked_at > limit
         ]
-        return batch if batch.messages or batch.expired or batch.forgotten else None
+        self.unsent = batch if batch.messages or batch.expired or batch.forgotten else None
+        return self.unsent
 
     def receive(self, batch: ControlBatch) -> None:
         """Every rank: SGLang's dispatch hands over the broadcast batch; `poll` acts on it."""
+        if batch is self.unsent:  # rank 0 gets its own object back
+            self.unsent = None
         self.inbox.append(batch)
 
     def poll(self) -> None:
