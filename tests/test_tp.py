@@ -124,7 +124,10 @@ def test_streamed_equals_not_streamed_at_tp2(setup: Setup) -> None:
 
 @pytest.mark.parametrize("path", ["main", "pdd"])
 def test_p_at_tp2_feeds_an_md_at_tp1(setup: Setup, path: str) -> None:
-    ids = random_ids(800, seed=7200 + len(path))
+    # Short: with unequal TP, SGLang's Mooncake connector moves each token's head slice of each
+    # layer as its own transfer (send_kvcache_slice); an 800-token prompt, 3200 writes across
+    # the 40 ms-RTT WAN, once exceeded Mooncake's 30 s transfer timeout on a loaded 2-core CI.
+    ids = random_ids(120, seed=7200 + len(path))
     got = generate(setup.mixed.url, body(ids, LONG_NEW, pdd_path=path))
     assert got["output_ids"] == setup.reference(ids, LONG_NEW)
     assert pdd_meta(got)["main_tokens"] > 0, pdd_meta(got)
