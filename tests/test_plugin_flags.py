@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -68,7 +67,7 @@ for klass in Scheduler.__mro__:
 def test_a_hook_target_sglang_lacks_stops_the_server_naming_it(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(REMOVE_ON_IDLE))
+    (tmp_path / "sitecustomize.py").write_text(REMOVE_ON_IDLE)
     args = ["--model-path", str(tiny_model), "--pdd-role", "relay",
             "--disaggregation-mode", "decode"]  # fmt: skip
     out = launch(args, env={"PYTHONPATH": str(tmp_path)})

@@ -34,10 +34,10 @@ def register(hooks: Iterable[Hook]) -> None:
         _registered.append(hook)
 
 
-def missing(hooks: Iterable[Hook] | None = None) -> list[str]:
-    """Targets of `hooks` (default: every registered one) that SGLang did not patch."""
+def missing() -> list[str]:
+    """Targets of the registered hooks that SGLang did not patch."""
     applied = HookRegistry._patched  # the registry's own record of what it patched
-    return [h.target for h in (_registered if hooks is None else hooks) if h.target not in applied]
+    return [h.target for h in _registered if h.target not in applied]
 
 
 def startup_problem(where: str) -> str | None:
