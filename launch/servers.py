@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,6 +103,12 @@ class SGLangServer(HttpService):
         if dtype and "--dtype" not in self.extra_args:
             argv += ["--dtype", dtype]
         return argv + self.extra_args
+
+    def server_info(self) -> dict[str, object]:
+        """The running server's settings, as SGLang resolved them (`/server_info`)."""
+        with urllib.request.urlopen(f"{self.url}/server_info", timeout=30) as resp:
+            info: dict[str, object] = json.loads(resp.read())
+        return info
 
     def start(self) -> None:
         # Mooncake advertises SGLANG_HOST_IP to its peers; without it SGLang guesses from the

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import re
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -85,6 +83,5 @@ def test_every_server_runs_in_float32(colocated_and_pd: tuple[SGLangServer, Loca
     """The suite's servers run in float32 (tests/conftest.py), which exact equality needs."""
     colocated, pd = colocated_and_pd
     for server in (colocated, pd.prefill, pd.decode):
-        with urllib.request.urlopen(f"{server.url}/server_info", timeout=30) as resp:
-            info = json.loads(resp.read())
-        assert info["dtype"] == "float32", (server.name, info["dtype"])
+        dtype = server.server_info()["dtype"]
+        assert dtype == "float32", (server.name, dtype)

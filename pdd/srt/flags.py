@@ -198,14 +198,10 @@ def _triton_can_run(device: str | None) -> bool:
 
 
 def adjust_role_args(args: argparse.Namespace) -> None:
-    """MainDecode runs its handoff extends between SGLang's batches, which needs the
-    non-overlapped scheduler loop; and it reports its radix tree node by node, which SGLang's
-    Python tree core does (the Rust one keeps its tree events inside Rust)."""
+    """MainDecode reports its radix tree node by node, which SGLang's Python tree core does (the
+    Rust one keeps its tree events inside Rust)."""
     if getattr(args, "pdd_role", None) != "main":
         return
-    if not args.disable_overlap_schedule:
-        args.disable_overlap_schedule = True
-        logger.info("pdd: --pdd-role main runs with --disable-overlap-schedule")
     if os.environ.get(ENV_TREE_CORE) != "python":
         os.environ[ENV_TREE_CORE] = "python"
         logger.info("pdd: --pdd-role main uses the Python radix tree core (%s=python)",

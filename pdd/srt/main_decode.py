@@ -3,7 +3,7 @@
 MD is an SGLang decode server. A request the router sends with a `pdd.route` hint (`park`)
 receives its prompt KV from P as usual, but instead of decoding it waits ("parks") holding its
 KV, and MD tells the router READY. The router answers with the tokens RelayDecode has produced:
-- CHUNK (Catch-Up handoff): MD computes their KV in one extend forward and stays parked.
+- CHUNK (Catch-Up handoff): MD computes their KV in an extend and stays parked.
 - HANDOFF (Extend-Decode handoff): MD computes the KV of the remaining tokens but the last, sets
   the request's output to all handed-over tokens and lets SGLang's decode path continue exactly
   as for a request whose KV came from P: the last token is the next decode input.
@@ -12,18 +12,19 @@ KV, and MD tells the router READY. The router answers with the tokens RelayDecod
 MD also tells every router that asks (SYNC_REQUEST) what its radix cache holds (CACHE_SYNC,
 pdd.cache.reporter), so the router knows MD's cached prefix of a request before sending it.
 
-All extends run synchronously inside the scheduler loop (MD runs without overlap scheduling), so
-SGLang's batch bookkeeping never sees them. At TP > 1 every rank runs the same extends in the same
-step: TP rank 0 owns the control socket and its messages reach the other ranks through SGLang's
-request broadcast (pdd.srt.control_rank).
+A step's chunks and handoffs are one extend batch that SGLang's own loop runs, with or without
+its overlap scheduler (pdd.srt.handoff_extend). At TP > 1 every rank runs the same extends in the
+same step: TP rank 0 owns the control socket and its messages reach the other ranks through
+SGLang's request broadcast (pdd.srt.control_rank).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from array import array
-from dataclasses import dataclass, field, replace
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 from typing import Any
 
@@ -49,23 +50,12 @@ from pdd.srt.cache_events import install
 from pdd.srt.control_rank import ControlBatch, Gatherer
 from pdd.srt.flags import PddConfig
 from pdd.srt.handoff_attention import HandoffAttention
+from pdd.srt.handoff_extend import Flight, Parked, Work, extend_batch, join_decoding, land
 from pdd.srt.idle import waiter
 
 logger = logging.getLogger(__name__)
 STATS_LOG_S = 30.0  # MD logs its counters at most this often, when they changed
 MAX_EARLY_CANCELS = 10_000  # bounds what CANCELs for unknown requests can make MD remember
-
-
-@dataclass
-class Parked:
-    req: Any  # sglang Req
-    hint: RouteHint
-    prompt_len: int
-    # MD's own radix-cache prefix at admission; SGLang's decode path expects it back.
-    prefix_len: int
-    parked_at: float = field(default_factory=time.monotonic)
-    # Handed-over tokens whose KV MD has computed (Catch-Up chunks).
-    done: int = 0
 
 
 @dataclass
@@ -94,6 +84,8 @@ class MainDecode:
         # CANCELs that arrived before the request's KV did: rid -> (reason, when).
         self.early_cancels: dict[str, tuple[str, float]] = {}
         self.inbox: list[ControlBatch] = []  # this step's control input, the same on every rank
+        self.flights: deque[Flight] = deque()  # handoff extends SGLang's loop is running
+        self.aborted: set[str] = set()  # aborted while their extend was running
         self.unsent: ControlBatch | None = None  # rank 0: gathered, not yet back from SGLang
         self.stats = Stats()
         self.stats_logged = Stats()
@@ -122,8 +114,10 @@ class MainDecode:
 
     def busy(self) -> bool:
         """Holds KV or has control output or input pending: the loop must come round."""
-        pending = self.leader and (self.reporter.dirty or self.gatherer.waiting())
-        return bool(self.parked) or pending
+        pending = self.leader and (
+            self.reporter.dirty or self.gatherer.waiting() or self.unsent is not None
+        )
+        return bool(self.parked or self.inbox) or pending
 
     def send(self, to: str, msg: Message) -> None:
         if self.leader:  # every rank decides the same; one tells the router
@@ -187,40 +181,49 @@ class MainDecode:
             self.unsent = None
         self.inbox.append(batch)
 
-    def poll(self) -> None:
-        """Acts on this step's control input: runs the extends the messages ask for."""
-        chunks: list[tuple[Parked, Chunk]] = []
-        handoffs: list[tuple[Parked, Handoff]] = []
+    def poll(self) -> Any | None:
+        """Acts on this step's control input. Returns the handoff extend batch SGLang's loop
+        should run this step (see pdd.srt.handoff_extend), or None."""
+        work: list[Work] = []
+        joining: list[tuple[Parked, tuple[int, ...]]] = []
+        later: list[Message] = []  # for requests whose previous extend is still in flight
         seen: set[str] = set()
+        busy = {rid for f in self.flights for rid in f.rids()}
         batches, self.inbox = self.inbox, []
         for msg in (m for b in batches for m in b.messages):
+            # Each step acts at most once per request, after its running extend: the next
+            # message for it (a handoff right behind a chunk) waits for the next step.
+            rid = getattr(msg, "rid", None)
+            if (rid in busy or rid in seen) and isinstance(msg, Chunk | Handoff | Cancel):
+                later.append(msg)
+                continue
             parked = self._check(msg)
             if parked is None or not isinstance(msg, Chunk | Handoff | Cancel):
-                continue
-            if msg.rid in seen:  # each step acts at most once per request
-                self._reject(parked, msg.rid, "a second control message in one step")
                 continue
             seen.add(msg.rid)
             if isinstance(msg, Cancel):
                 self.cancel(parked, f"cancelled by the router: {msg.reason}")
                 self.stats.cancelled += 1
             elif isinstance(msg, Chunk):
-                chunks.append((parked, msg))
-            elif isinstance(msg, Handoff):
-                handoffs.append((parked, msg))
-        if chunks and self._safe_extend(
-            [(p, p.done + len(m.tokens), _tokens(p, m)) for p, m in chunks]
-        ):
-            for parked, _ in chunks:
-                self.stats.chunks += 1
-                self.send(parked.hint.reply_to, Ack(rid=parked.req.rid, done=parked.done))
-        if handoffs:
-            self._handoff(handoffs)
+                upto = parked.done + len(msg.tokens)
+                work.append(Work(parked, upto, _tokens(parked, msg), handoff=False))
+            else:
+                tokens = _tokens(parked, msg) or (int(parked.req.output_ids[0]),)
+                # The last handed-over token has no KV yet: it is the next decode step's input.
+                if len(tokens) - 1 > parked.done:
+                    work.append(Work(parked, len(tokens) - 1, tokens, handoff=True))
+                else:
+                    joining.append((parked, tokens))
+        if later:
+            self.inbox.append(ControlBatch(messages=later))
+        for parked, tokens in joining:
+            self._join(parked, tokens)
         for batch in batches:
-            self._expire(batch)
+            self._expire(batch, busy)
         if self.leader:
             self.reporter.flush()
             self._log_stats()
+        return self._launch(work) if work else None
 
     def _log_stats(self) -> None:
         now = time.monotonic()
@@ -260,44 +263,84 @@ class MainDecode:
         if parked is not None:
             self.send(parked.hint.reply_to, Error(rid=rid, reason=reason))
 
-    # -- the handoff ------------------------------------------------------------------------
+    # -- the handoff extend (a batch of SGLang's loop) ---------------------------------------
 
-    def _handoff(self, handoffs: list[tuple[Parked, Handoff]]) -> None:
-        work = []
-        for parked, msg in handoffs:
-            tokens = _tokens(parked, msg) or (int(parked.req.output_ids[0]),)
-            # The last handed-over token has no KV yet: it is the next decode step's input.
-            work.append((parked, len(tokens) - 1, tokens))
-        if not self._safe_extend(work):
-            return
-        for parked, _, tokens in work:
-            req = parked.req
-            req.output_ids = array("q", tokens)
-            req.refresh_fill_ids()
-            req.prefix_len = parked.prefix_len
-            req.extend_end = req.kv.kv_committed_len
-            del self.parked[req.rid]
-            self.stats.handoffs += 1
-            self.scheduler.waiting_queue.append(req)
-
-    def _safe_extend(self, work: list[tuple[Parked, int, tuple[int, ...]]]) -> bool:
-        """`_extend`, or, if it fails on any TP rank (e.g. no KV memory left, a layer the
-        kernel cannot run), those requests fail alone on every rank: MD keeps serving, and its
-        ranks stay in step."""
+    def _launch(self, work: list[Work]) -> Any | None:
+        """Prepares the extend on every rank; None (the requests failed) if any rank could not,
+        e.g. no KV memory left."""
         problem = None
         try:
-            self._extend(work)
+            flight = extend_batch(self.scheduler, work)
+        except Exception as err:
+            logger.exception("PDD: preparing the handoff extend failed")
+            problem = str(err)
+        problem = self._agree(problem)
+        if problem is not None:
+            self._fail(work, problem)
+            return None
+        self.stats.extend_forwards += 1
+        logger.info("PDD MainDecode: handoff extend forward %d: %d requests, %d tokens",
+                    self.stats.extend_forwards, len(work),
+                    sum(w.upto - w.parked.done for w in work))  # fmt: skip
+        self.flights.append(flight)
+        return flight.batch
+
+    def launched(self, batch: Any) -> Flight | None:
+        """The flight `batch` is, when SGLang is about to run one of MD's extends."""
+        last = self.flights[-1] if self.flights else None
+        return last if last is not None and last.batch is batch else None
+
+    def run(self, flight: Flight, forward: Callable[[], Any]) -> Any:
+        """Runs SGLang's `run_batch` for a handoff extend under MD's attention choice; a rank
+        that fails makes every rank fail those requests (when MD takes the result)."""
+        from sglang.srt.managers.utils import GenerationBatchResult
+
+        result, problem = None, None
+        try:
+            with self.attention.active():
+                result = forward()
         except Exception as err:
             logger.exception("PDD: handoff extend failed")
             problem = str(err)
-        problem = self._agree(problem)
-        if problem is None:
+        flight.problem = self._agree(problem)
+        return GenerationBatchResult() if result is None else result
+
+    def take_result(self, batch: Any, result: Any) -> bool:
+        """SGLang hands over a batch's result: True if it was MD's extend (MD handled it)."""
+        if not self.flights or not self.flights[0].holds(batch):
+            return False
+        flight = self.flights.popleft()
+        if getattr(result, "copy_done", None) is not None:
+            result.copy_done.synchronize()  # the KV is written before the requests move on
+        if flight.problem is not None:
+            self._fail(flight.work, flight.problem)
             return True
-        for parked, _, _ in work:
+        self.stats.extend_tokens += sum(w.upto - w.parked.done for w in flight.work)
+        land(flight)
+        for w in flight.work:
+            rid = w.parked.req.rid
+            if rid in self.aborted:  # SGLang's abort came while the extend ran
+                self.aborted.discard(rid)
+                self.cancel(w.parked, "aborted")
+                self.stats.cancelled += 1
+            elif w.handoff:
+                self._join(w.parked, w.tokens)
+            else:
+                self.stats.chunks += 1
+                self.send(w.parked.hint.reply_to, Ack(rid=rid, done=w.upto))
+        return True
+
+    def _join(self, parked: Parked, tokens: tuple[int, ...]) -> None:
+        del self.parked[parked.req.rid]
+        self.stats.handoffs += 1
+        self.scheduler.waiting_queue.append(join_decoding(parked, tokens))
+
+    def _fail(self, work: list[Work], problem: str) -> None:
+        for w in work:
             reason = f"MD could not compute the handed-over tokens: {problem}"
-            self.send(parked.hint.reply_to, Error(rid=parked.req.rid, reason=reason))
-            self.cancel(parked, reason, keep_kv=False)
-        return False
+            self.send(w.parked.hint.reply_to, Error(rid=w.parked.req.rid, reason=reason))
+            # A failed extend may have left the KV half written.
+            self.cancel(w.parked, reason, keep_kv=False)
 
     def _agree(self, problem: str | None) -> str | None:
         """None if the step succeeded on every TP rank, else this rank's reason (or another
@@ -307,46 +350,6 @@ class MainDecode:
         flag = torch.tensor([0 if problem else 1], dtype=torch.int32)
         torch.distributed.all_reduce(flag, torch.distributed.ReduceOp.MIN, self.tp.cpu_group)
         return problem or (None if int(flag.item()) else "another TP rank failed the extend")
-
-    def _extend(self, work: list[tuple[Parked, int, tuple[int, ...]]]) -> None:
-        """Computes the KV of handed-over tokens [parked.done, upto) for each request, in one
-        extend forward (the batched "extend-decode" recompute)."""
-        from sglang.srt.managers.overlap_utils import resolve_forward_inputs
-        from sglang.srt.managers.schedule_batch import ScheduleBatch
-
-        todo = [(p, upto, tokens) for p, upto, tokens in work if upto > p.done]
-        if not todo:
-            return
-        self.stats.extend_forwards += 1
-        logger.info("PDD MainDecode: handoff extend forward %d: %d requests, %d tokens",
-                    self.stats.extend_forwards, len(todo),
-                    sum(upto - p.done for p, upto, _ in todo))  # fmt: skip
-        s = self.scheduler
-        # The extend's cache accounting would count handed-over tokens as cache hits.
-        accounting = [(p.req.cached_tokens, p.req.already_computed) for p, _, _ in todo]
-        for parked, upto, tokens in todo:
-            req = parked.req
-            req.output_ids = array("q", tokens[:upto])
-            req.refresh_fill_ids()
-            req.prefix_len = parked.prompt_len + parked.done
-            req.extend_end = parked.prompt_len + upto
-        batch = ScheduleBatch.init_new(
-            [p.req for p, _, _ in todo],
-            s.req_to_token_pool,
-            s.token_to_kv_pool_allocator,
-            s.tree_cache,
-            s.model_config,
-            False,
-            s.spec_algorithm,
-        )
-        batch.prepare_for_extend()
-        resolve_forward_inputs(batch, s.future_map)
-        with torch.no_grad(), self.attention.active():
-            s.model_worker.forward_batch_generation(batch)
-        for (parked, upto, _), (cached, computed) in zip(todo, accounting, strict=True):
-            parked.req.cached_tokens, parked.req.already_computed = cached, computed
-            self.stats.extend_tokens += upto - parked.done
-            parked.done = upto
 
     # -- leaving without a handoff ----------------------------------------------------------
 
@@ -365,19 +368,25 @@ class MainDecode:
         release_kv_cache(req, self.scheduler.tree_cache, checkpoint=keep_kv)
 
     def abort(self, rid: str, abort_all: bool) -> None:
-        """SGLang's own abort (client gone, /abort_request) also reaches parked requests."""
+        """SGLang's own abort (client gone, /abort_request) also reaches parked requests; one
+        whose extend is running leaves when MD takes the extend's result."""
+        busy = {r for f in self.flights for r in f.rids()}
         for key in list(self.parked):
             if abort_all or key.startswith(rid):
+                if key in busy:
+                    self.aborted.add(key)
+                    continue
                 self.cancel(self.parked[key], "aborted")
                 self.stats.cancelled += 1
 
-    def _expire(self, batch: ControlBatch) -> None:
-        """What rank 0's clock ran out (the same on every rank, unlike the clocks)."""
+    def _expire(self, batch: ControlBatch, busy: set[str]) -> None:
+        """What rank 0's clock ran out (the same on every rank, unlike the clocks). A request
+        whose extend is running is left alone: rank 0 names it again next step."""
         for rid in batch.forgotten:  # its KV never came (aborted, failed): forget it
             self.early_cancels.pop(rid, None)
         for rid, reason in batch.expired:
             parked = self.parked.get(rid)
-            if parked is not None:
+            if parked is not None and rid not in busy:
                 self.stats.timed_out += 1
                 self.cancel(parked, reason)
 

@@ -14,9 +14,6 @@ from pdd.srt.main_decode import MainDecode
 
 def check_supported(scheduler: Any) -> None:
     """What MD cannot run yet, and why (each a start-up error naming the flag)."""
-    if getattr(scheduler, "enable_overlap", False):
-        # The handoff extend is its own forward between SGLang's batches.
-        raise RuntimeError("--pdd-role main needs --disable-overlap-schedule")
     if not scheduler.spec_algorithm.is_none():
         # A handed-off request would need its draft model's KV for the handed-over tokens too.
         raise RuntimeError("--pdd-role main does not support speculative decoding yet")
@@ -58,10 +55,33 @@ def _after_pop_transferred(result: list[Any], queue: Any, *args: Any, **kwargs: 
 
 
 def _around_next_decode_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    from sglang.srt.managers.schedule_batch import NextBatchPlan
+
     md = main_decode(scheduler)
-    if md is not None:
-        md.poll()
-    return original(scheduler, *args, **kwargs)
+    extend = md.poll() if md is not None else None
+    if extend is None:
+        return original(scheduler, *args, **kwargs)
+    # This step runs the handoff extend; decoding (and new arrivals) go on next step, as
+    # SGLang's own scheduler runs a prefill before the next decode step.
+    running = kwargs.get("running_batch", args[0] if args else scheduler.running_batch)
+    return NextBatchPlan(batch_to_run=extend, running_batch=running)
+
+
+def _around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    md = main_decode(scheduler)
+    flight = md.launched(batch) if md is not None else None
+    if flight is None:
+        return original(scheduler, batch, *args, **kwargs)
+    return md.run(flight, lambda: original(scheduler, batch, *args, **kwargs))  # type: ignore[union-attr]
+
+
+def _around_process_batch_result(
+    original: Any, scheduler: Any, batch: Any, result: Any, *args: Any, **kwargs: Any
+) -> Any:
+    md = main_decode(scheduler)
+    if md is not None and md.take_result(batch, result):
+        return None
+    return original(scheduler, batch, result, *args, **kwargs)
 
 
 def _after_is_fully_idle(result: bool, scheduler: Any, *args: Any, **kwargs: Any) -> bool:
@@ -86,6 +106,8 @@ HOOKS = (
          _after_pop_transferred, HookType.AFTER),
     Hook(f"{_SCHED}.get_next_disagg_decode_batch_to_run", _around_next_decode_batch,
          HookType.AROUND),
+    Hook(f"{_SCHED}.run_batch", _around_run_batch, HookType.AROUND),
+    Hook(f"{_SCHED}.process_batch_result", _around_process_batch_result, HookType.AROUND),
     Hook(f"{_SCHED}.is_fully_idle", _after_is_fully_idle, HookType.AFTER),
     Hook(f"{_SCHED}.abort_request", _after_abort_request, HookType.AFTER),
 )  # fmt: skip
