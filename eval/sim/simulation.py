@@ -14,9 +14,9 @@ What is modelled:
   runs alone); the step time is the roofline of `costs.StepCosts`. P produces output token 0.
 - Decode instances (D, RLD, MD) run continuous batching: every step produces one token for each
   running request. MD's handoffs run as pdd.srt.main_decode runs them: the CHUNKs and HANDOFFs
-  that arrived during a step are acted on before the next one, in one extend forward for the
-  chunks and one for the handoffs (the tokens' KV over their contexts, one pass over the
-  weights), and the decode step waits for them; a handed-off request joins that decode step,
+  that arrived during a step are acted on before the next one, in one extend forward for all
+  of them (the tokens' KV over their contexts, one pass over the weights), and the decode step
+  waits for it; a handed-off request joins that decode step,
   whose input is its last handed-over token (MD recomputes the others). A request is admitted
   when a slot (`max_batch`) and KV memory for its prompt and output are free, else it waits (a
   cached prefix counts too: each agent session's context is its own, not shared between

@@ -131,11 +131,10 @@ class Extend:
 class Decode:
     """Continuous batching: each step gives every running request one token.
 
-    MD's handoffs as pdd.srt.main_decode runs them: what arrived while a step ran is acted on
-    before the next decode step, synchronously (MD runs without the overlap scheduler): one
-    extend forward for all the chunks, then one for all the handoffs (two `_safe_extend`
-    calls), each skipped when it has no token to recompute; then the decode step, which the
-    handed-off requests join (SGLang merges them into the running batch in the same loop)."""
+    MD's handoffs as pdd.srt.main_decode runs them: what arrived while a step ran is one
+    extend batch of SGLang's loop (chunks and handoffs together; none when no token needs its
+    KV), run before the next decode step, which the handed-off requests join (SGLang merges
+    them into the running batch)."""
 
     def __init__(self, clock: Clock, costs: StepCosts, max_batch: int) -> None:
         self.clock, self.costs, self.max_batch = clock, costs, max_batch
@@ -232,14 +231,13 @@ class Decode:
         self.stepping = True
         ext, self.extends = self.extends, []
         now = self.clock.now
-        # MD's order (pdd.srt.main_decode.poll): the chunks' forward, whose ACKs leave at once,
-        # then the handoffs' forward; the decode step waits for both.
+        # MD's order (pdd.srt.main_decode.poll): one extend batch for the chunks and the
+        # handoffs (the chunks' ACKs leave when it is done), then the decode step.
         chunks = [e for e in ext if not e.handoff]
         handoffs = [e for e in ext if e.handoff]
-        t = now + self._extend_forward(chunks)
+        t = now + self._extend_forward(ext)
         for e in chunks:
             self.clock.at(t, e.on_done)
-        t += self._extend_forward(handoffs)
         if t > now:
             self.last_s = t
             self.clock.at(t, self._extended, handoffs)
