@@ -1,17 +1,23 @@
 """Mooncake TCP across the emulated WAN: bulk writes from datacenter A to datacenter B.
 
     python -m pdd.eval.bench_wan_mooncake [--mib 64] [--rate-mbit 200] [--delay-ms 20]
+        [--flow-window-mb W] [--flows 1,2,4,8,16]
 
 Needs root. Brings up its own testbed (`pdd.launch.testbed`, name `pddbench`), starts a
 receiver in B and a sender in A, each a Mooncake TransferEngine over TCP that announces its
 datacenter's WAN address. The receiver registers a buffer and reports its address and RPC port
-(out of band, through this process); the sender writes a fresh random payload into it with one
-`transfer_sync_write`, once "cold" on a fresh engine (connection set-up and TCP start-up
-included), then three times "warm" on the connection the first write opened, as between
-long-running prefill and decode servers. After each write the receiver hashes its buffer and
-clears it. The table shows each write's rate, its ratio to the link rate (target: a median
-warm ratio >= 0.85) and the CPU the WAN daemon spent meanwhile. The testbed is removed at the
-end, also on failure.
+(out of band, through this process); the sender writes a fresh random payload into it the way
+pdd's servers write a request's KV (`pdd.srt.wan_write`: pieces over N TCP flows, polled
+without spinning), once "cold" on a fresh engine (connection set-up and TCP start-up
+included), then three times "warm" on the connections the first write opened, as between
+long-running prefill and decode servers; so for each number of flows. After each write the
+receiver hashes its buffer and clears it. The table shows each write's rate, its ratio to the
+link rate (target: a median warm ratio >= 0.85 with the most flows) and the CPU the WAN daemon
+and the sender spent meanwhile. The testbed is removed at the end, also on failure.
+
+What it stands for: `--flow-window-mb 2 --rate-mbit 1500 --delay-ms 40` is a 1.5 Gbit/s line
+at 80 ms RTT with 2 MB socket buffers, so one flow carries ~0.1 of the line: the ratio of a
+production WAN (10-100 Gbit/s, 25-80 ms) to one flow under stock Linux windows (a few MB).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import hashlib
 import json
 import os
 import select
+import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +40,7 @@ import numpy as np
 from pdd.launch.cli import command_parser
 from pdd.launch.testbed import Testbed
 from pdd.launch.wan import LinkParams
+from pdd.srt.wan_write import MAX_FLOWS, mooncake_env, write
 
 MODULE = "pdd.eval.bench_wan_mooncake"
 MARK = "RESULT "  # our lines on stdout; Mooncake may print its own
@@ -44,12 +52,15 @@ WARM_ROUNDS = 3
 @dataclass
 class TransferResult:
     round: str  # "cold": a fresh engine, so connection set-up and TCP start-up; "warm": again
+    flows: int
     nbytes: int
     link_mbit: float
     rtt_ms: float
     seconds: float
     intact: bool
     daemon_cpu: float  # cores the WAN daemon used during the write
+    sender_cpu: float  # cores the sending process used during the write
+    connections: int  # TCP connections from A to B after the write
 
     @property
     def achieved_mbit(self) -> float:
@@ -90,19 +101,29 @@ def receive(ip: str, nbytes: int) -> None:
         buf[:] = 0
 
 
-def send(ip: str, peer: str, remote_addr: int, nbytes: int, seed: int) -> None:
-    engine = start_engine(ip)
+def send(ip: str, peer: str, remote_addr: int, nbytes: int, seed: int, flows: int) -> None:
+    engine = start_engine(ip)  # its lanes come from the environment (mooncake_env)
     buf = np.zeros(nbytes, dtype=np.uint8)
     local = register(engine, buf)
     rng = np.random.default_rng(seed)
     while True:  # one write per round, until the input ends
         buf[:] = np.frombuffer(rng.bytes(nbytes), dtype=np.uint8)  # a new payload each round
-        start = time.monotonic()
-        rc = engine.transfer_sync_write(peer, local, remote_addr, nbytes)
-        seconds = time.monotonic() - start
-        emit({"rc": rc, "seconds": seconds, "sha256": hashlib.sha256(buf.data).hexdigest()})
+        start, cpu = time.monotonic(), time.process_time()
+        rc = write(engine, peer, [(local, remote_addr, nbytes)], flows)
+        seconds, cpu = time.monotonic() - start, time.process_time() - cpu
+        emit({"rc": rc, "seconds": seconds, "cpu": cpu / seconds,
+              "connections": established_to(peer.split(":")[0]),
+              "sha256": hashlib.sha256(buf.data).hexdigest()})  # fmt: skip
         if rc != 0 or not sys.stdin.readline():  # wait until the receiver has checked it
             return
+
+
+def established_to(ip: str) -> int:
+    """TCP connections of this network namespace established to `ip` (the flows in use)."""
+    want = socket.inet_aton(ip)[::-1].hex().upper()  # /proc/net/tcp: little-endian hex
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return sum(1 for r in rows if r[3] == "01" and r[2].split(":")[0] == want)
 
 
 def read_result(proc: subprocess.Popen[bytes], log: IO[bytes], timeout: float) -> dict[str, Any]:
@@ -127,11 +148,11 @@ def tail(log: IO[bytes], nbytes: int = 3000) -> str:
 
 
 def transfer(
-    tb: Testbed, nbytes: int, warm_rounds: int = WARM_ROUNDS, seed: int = 0,
+    tb: Testbed, nbytes: int, flows: int = 1, warm_rounds: int = WARM_ROUNDS, seed: int = 0,
     timeout: float = TIMEOUT_S,
 ) -> list[TransferResult]:  # fmt: skip
-    """Write `nbytes` from a Mooncake engine in A to one in B across the testbed's WAN: a cold
-    write, then `warm_rounds` more on the same connection."""
+    """Write `nbytes` from a Mooncake engine in A to one in B across the testbed's WAN over
+    `flows` TCP flows: a cold write, then `warm_rounds` more on the same connections."""
     python = [sys.executable, "-m", MODULE]
     procs: list[subprocess.Popen[bytes]] = []
     results = []
@@ -146,8 +167,9 @@ def transfer(
             sender = tb.popen(
                 "a", [*python, "send", "--ip", tb.ip("a"), "--peer",
                       f"{tb.ip('b')}:{where['rpc_port']}", "--remote-addr", str(where["addr"]),
-                      "--nbytes", str(nbytes), "--seed", str(seed)],
+                      "--nbytes", str(nbytes), "--seed", str(seed), "--flows", str(flows)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, bufsize=0,
+                env={**os.environ, **mooncake_env(flows)},
             )  # fmt: skip
             procs.append(sender)
             for i, name in enumerate(["cold"] + ["warm"] * warm_rounds):
@@ -155,11 +177,12 @@ def transfer(
                 sent = read_result(sender, log, timeout)
                 cpu = tb.wan.status()["cpu_s"] - cpu
                 if sent["rc"] != 0:
-                    raise RuntimeError(f"transfer_sync_write returned {sent['rc']}:\n{tail(log)}")
+                    raise RuntimeError(f"the write returned {sent['rc']}:\n{tail(log)}")
                 received = ask(receiver, log, timeout)
                 results.append(TransferResult(
-                    name, nbytes, tb.link.rate_mbit, 2 * tb.link.delay_ms, sent["seconds"],
-                    sent["sha256"] == received["sha256"], cpu / sent["seconds"],
+                    name, flows, nbytes, tb.link.rate_mbit, 2 * tb.link.delay_ms,
+                    sent["seconds"], sent["sha256"] == received["sha256"], cpu / sent["seconds"],
+                    sent["cpu"], sent["connections"],
                 ))  # fmt: skip
                 if i < warm_rounds:
                     ask(sender, log, timeout, reply=False)
@@ -190,27 +213,36 @@ def ask(
 
 
 def table(tb: Testbed, results: list[TransferResult]) -> str:
+    window = f"{tb.flow_window_bytes / 2**20:g} MB"
     lines = [
-        f"Mooncake TCP across the emulated WAN ({tb.backend} backend, MTU {tb.mtu})",
-        f"{'round':>5} {'payload':>9} {'link':>12} {'RTT':>7} {'seconds':>8} {'achieved':>14} "
-        f"{'ratio':>6} {'intact':>7} {'WAN CPU':>8}",
+        f"Mooncake TCP across the emulated WAN ({tb.backend} backend, MTU {tb.mtu}, "
+        f"TCP window per flow {window})",
+        f"{'flows':>5} {'round':>5} {'payload':>9} {'link':>12} {'RTT':>7} {'seconds':>8} "
+        f"{'achieved':>14} {'ratio':>6} {'intact':>7} {'WAN CPU':>8} {'send CPU':>8} {'conns':>5}",
     ]
     for r in results:
         lines.append(
-            f"{r.round:>5} {r.nbytes / 2**20:>5.0f} MiB {r.link_mbit:>6.0f} Mbit/s "
+            f"{r.flows:>5} {r.round:>5} {r.nbytes / 2**20:>5.0f} MiB {r.link_mbit:>6.0f} Mbit/s "
             f"{r.rtt_ms:>4.0f} ms {r.seconds:>8.2f} {r.achieved_mbit:>7.1f} Mbit/s "
-            f"{r.ratio:>6.3f} {'yes' if r.intact else 'NO':>7} {r.daemon_cpu:>8.0%}"
+            f"{r.ratio:>6.3f} {'yes' if r.intact else 'NO':>7} {r.daemon_cpu:>8.0%} "
+            f"{r.sender_cpu:>8.0%} {r.connections:>5}"
         )
+    lines.append("warm median ratio by flows: " + ", ".join(
+        f"{n}: {warm_ratio(results, n):.3f}" for n in sorted({r.flows for r in results})
+    ))  # fmt: skip
     lines.append(
-        f"warm median ratio {warm_ratio(results):.3f} (target >= {TARGET_RATIO}); "
-        f"{'every round intact' if all(r.intact for r in results) else 'CORRUPTED payload'}"
+        f"{'every round intact' if all(r.intact for r in results) else 'CORRUPTED payload'}; "
+        f"target >= {TARGET_RATIO} with {max(r.flows for r in results)} flows"
     )
+    lines.append(f"warm median ratio {warm_ratio(results):.3f}")
     return "\n".join(lines)
 
 
-def warm_ratio(results: list[TransferResult]) -> float:
-    """The median over the warm rounds: one slow round on a busy machine does not decide."""
-    return statistics.median(r.ratio for r in results if r.round == "warm")
+def warm_ratio(results: list[TransferResult], flows: int | None = None) -> float:
+    """The median over the warm rounds with `flows` flows (default: the most): one slow round on
+    a busy machine does not decide."""
+    flows = max(r.flows for r in results) if flows is None else flows
+    return statistics.median(r.ratio for r in results if r.round == "warm" and r.flows == flows)
 
 
 def passed(results: list[TransferResult]) -> bool:
@@ -228,22 +260,38 @@ def main(argv: list[str] | None = None) -> None:
     tx.add_argument("--peer", required=True)
     tx.add_argument("--remote-addr", type=int, required=True)
     tx.add_argument("--seed", type=int, default=0)
+    tx.add_argument("--flows", type=int, default=1)
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--rate-mbit", type=float, default=200.0)
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one-way (RTT: twice this)")
     parser.add_argument("--name", default="pddbench", help="testbed name")
     parser.add_argument("--net", default="10.209", help="testbed addresses, first two octets")
+    parser.add_argument(
+        "--flow-window-mb",
+        type=float,
+        default=None,
+        help="cap each TCP flow's window in both datacenters (default: 64 MB)",
+    )
+    parser.add_argument("--flows", default=f"1,2,4,8,{MAX_FLOWS}",
+                        help="comma-separated numbers of TCP flows to measure")  # fmt: skip
     args = parser.parse_args(argv)
     if args.role == "receive":
         receive(args.ip, args.nbytes)
     elif args.role == "send":
-        send(args.ip, args.peer, args.remote_addr, args.nbytes, args.seed)
+        send(args.ip, args.peer, args.remote_addr, args.nbytes, args.seed, args.flows)
     else:
-        tb = Testbed(args.name, LinkParams(args.rate_mbit, args.delay_ms), net=args.net)
+        counts = [int(n) for n in args.flows.split(",")]
+        if not all(1 <= n <= MAX_FLOWS for n in counts):
+            raise SystemExit(f"--flows: each must be in 1-{MAX_FLOWS}")
+        link = LinkParams(args.rate_mbit, args.delay_ms)
+        tb = Testbed(args.name, link, net=args.net, flow_window_mb=args.flow_window_mb)
         tb.down()  # whatever a crashed earlier run left
         tb.up()
         try:
-            results = transfer(tb, args.mib << 20)
+            results = []
+            for n in counts:
+                print(f"{n} flow(s) ...", file=sys.stderr, flush=True)
+                results += transfer(tb, args.mib << 20, flows=n)
         finally:
             tb.down()
         print(table(tb, results))

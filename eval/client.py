@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 @dataclass
 class Streamed:
     chunks: list[dict] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # request sent -> each chunk, seconds
     ttft_s: float | None = None  # request sent -> first chunk carrying an output token
     total_s: float = 0.0
 
@@ -38,6 +39,7 @@ def stream_generate(url: str, payload: dict, timeout: float = 300.0) -> Streamed
             if out.ttft_s is None and chunk.get("output_ids"):
                 out.ttft_s = time.monotonic() - start
             out.chunks.append(chunk)
+            out.times.append(time.monotonic() - start)
     out.total_s = time.monotonic() - start
     if not out.chunks:
         raise RuntimeError(f"{url}/generate streamed no chunk")

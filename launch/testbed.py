@@ -1,6 +1,7 @@
 """Two datacenters on one machine: network namespaces joined by an emulated WAN link.
 
     python -m pdd.launch.testbed up [--rate-mbit 200 --delay-ms 20 --jitter-ms 0 --loss 0]
+                                    [--flow-window-mb W]
     python -m pdd.launch.testbed status
     python -m pdd.launch.testbed exec a -- CMD...        # run CMD inside datacenter A (or b)
     python -m pdd.launch.testbed fault cut [--seconds N] # also: rate --mbit X, delay --ms D,
@@ -36,6 +37,11 @@ within ~1% (TCP goodput 198-199 of 200 Mbit/s); a packet is released within ~0.2
 fat link needs large socket buffers: each namespace gets net.ipv4.tcp_rmem/tcp_wmem max of
 64 MiB (with the kernel defaults a flow stalls near 450 Mbit/s on 1 Gbit/s at 60 ms RTT).
 
+`--flow-window-mb W` caps them at W MB instead, in both namespaces: one TCP flow then carries
+at most about W MB per round trip, as a production WAN's flows do with stock Linux windows
+(a few MB against a 10-100 Gbit/s line at 25-80 ms RTT). A testbed scaled down in rate must
+scale the window with it to keep that ratio (`scaled_window_mb`).
+
 Faults (`Testbed.cut/restore/set_rate/add_delay`, or `fault ...`) go to the WAN daemon's control
 socket (`pdd.launch.wan`). Everything is named after the testbed, so `down` removes it by name:
 the daemon, processes left inside the namespaces, the namespaces and devices, the run folder.
@@ -70,6 +76,14 @@ READY_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 5.0
 MAX_NAME = 12  # root-side device names are NAME-ma / NAME-mb, at most 15 characters
 DAEMON_MODULE = "pdd.launch.wan_forwarder"
+
+
+def scaled_window_mb(
+    production_window_mb: float, production_gbit: float, rate_mbit: float
+) -> float:
+    """The per-flow window that keeps a production link's ratio of line rate to one flow's rate
+    (window / RTT) on a testbed link of `rate_mbit` at the same RTT."""
+    return production_window_mb * rate_mbit / (production_gbit * 1000)
 
 
 def require_root() -> None:
@@ -147,12 +161,15 @@ class Testbed:
     mtu: int = 9000
     backend: str = "auto"  # "netem" when the kernel has it, else "tun"; or force either
     net: str = "10.201"  # first two octets of the testbed's addresses
+    flow_window_mb: float | None = None  # per-flow TCP window cap; None: 64 MiB (uncapped)
 
     def __post_init__(self) -> None:
         if not 0 < len(self.name) <= MAX_NAME or not self.name.replace("-", "").isalnum():
             raise ValueError(f"name must be 1-{MAX_NAME} letters, digits or '-': {self.name!r}")
         if self.backend not in ("auto", "netem", "tun"):
             raise ValueError(f"backend must be auto, netem or tun, not {self.backend!r}")
+        if self.flow_window_mb is not None and not 0.0625 <= self.flow_window_mb <= 1024:
+            raise ValueError(f"flow window must be 0.0625-1024 MB, not {self.flow_window_mb}")
 
     # Names and addresses.
     def ns(self, side: str) -> str:
@@ -198,6 +215,13 @@ class Testbed:
     def wan(self) -> WanClient:
         return WanClient(self.socket_path)
 
+    @property
+    def flow_window_bytes(self) -> int:
+        """The namespaces' tcp_rmem/tcp_wmem max: what one TCP flow may keep in flight."""
+        if self.flow_window_mb is None:
+            return TCP_BUFFER_MAX
+        return int(self.flow_window_mb * (1 << 20))
+
     # Life cycle.
     def up(self, timeout: float = READY_TIMEOUT_S) -> None:
         require_root()
@@ -224,8 +248,9 @@ class Testbed:
         ns, ip = self.ns(side), ["ip", "-n", self.ns(side)]
         netns.run(["ip", "netns", "add", ns])
         netns.run([*ip, "link", "set", "lo", "up"])
-        netns.write_sysctl(ns, "net.ipv4.tcp_rmem", f"4096 131072 {TCP_BUFFER_MAX}")
-        netns.write_sysctl(ns, "net.ipv4.tcp_wmem", f"4096 16384 {TCP_BUFFER_MAX}")
+        window = self.flow_window_bytes
+        netns.write_sysctl(ns, "net.ipv4.tcp_rmem", f"4096 {min(131072, window)} {window}")
+        netns.write_sysctl(ns, "net.ipv4.tcp_wmem", f"4096 16384 {window}")
         host = self.host_device(side)
         netns.run(["ip", "link", "add", host, "type", "veth", "peer", "name", MGMT_DEVICE,
                    "netns", ns])  # fmt: skip
@@ -311,12 +336,12 @@ class Testbed:
             raise FileNotFoundError(f"testbed {name} is not up (no {path})")
         state = json.loads(path.read_text())
         return cls(state["name"], LinkParams(**state["link"]), state["mtu"], state["backend"],
-                   state["net"])  # fmt: skip
+                   state["net"], state.get("flow_window_mb"))  # fmt: skip
 
     def describe(self) -> dict[str, Any]:
         return {
             "name": self.name, "net": self.net, "mtu": self.mtu, "backend": self.backend,
-            "link": asdict(self.link),
+            "link": asdict(self.link), "flow_window_mb": self.flow_window_mb,
             "namespaces": {s: self.ns(s) for s in SIDES},
             "wan_ip": {s: self.ip(s) for s in SIDES},
             "mgmt_ip": {s: self.mgmt_ip(s) for s in SIDES},
@@ -369,11 +394,12 @@ class Testbed:
 
 def cmd_up(args: argparse.Namespace) -> None:
     link = LinkParams(args.rate_mbit, args.delay_ms, args.jitter_ms, args.loss, args.queue_ms)
-    tb = Testbed(args.name, link, args.mtu, args.backend, args.net)
+    tb = Testbed(args.name, link, args.mtu, args.backend, args.net, args.flow_window_mb)
     tb.up()
     print(f"testbed {tb.name} up ({tb.backend}): {link.rate_mbit:g} Mbit/s, "
           f"{link.delay_ms:g} ms one-way (RTT {2 * link.delay_ms:g} ms), "
-          f"jitter {link.jitter_ms:g} ms, loss {link.loss_pct:g}%")  # fmt: skip
+          f"jitter {link.jitter_ms:g} ms, loss {link.loss_pct:g}%, "
+          f"TCP window per flow {tb.flow_window_bytes / (1 << 20):g} MB")  # fmt: skip
     for side in SIDES:
         print(f"  datacenter {side.upper()}: namespace {tb.ns(side)}, WAN address {tb.ip(side)}")
 
@@ -428,6 +454,9 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--mtu", type=int, default=9000)
     up.add_argument("--backend", choices=["auto", "netem", "tun"], default="auto")
     up.add_argument("--net", default="10.201", help="first two octets of the addresses")
+    up.add_argument("--flow-window-mb", type=float, default=None,
+                    help="cap each TCP flow's window (tcp_rmem/tcp_wmem max) in both "
+                         "namespaces; default 64 MB, i.e. uncapped")  # fmt: skip
     up.set_defaults(func=cmd_up)
     sub.add_parser("down", help="remove everything of the testbed").set_defaults(func=cmd_down)
     sub.add_parser("status").set_defaults(func=cmd_status)

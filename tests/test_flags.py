@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import pytest
 
 from pdd.srt.flags import ENV_ROLE, ENV_SECRET, PddConfig, add_args, config_from_args
+from pdd.srt.wan_transfer import ENV_FLOWS, adjust_wan_args, flows
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -39,12 +41,32 @@ def test_main_decode_needs_a_control_port() -> None:
         (["--pdd-control-port", "70000"], "is not a port number"),
         (["--pdd-park-timeout", "0"], "must be positive"),
         (["--pdd-secret-file", "/nonexistent/secret"], "does not exist"),
+        (["--pdd-wan-flows", "0"], "--pdd-wan-flows must be in 1-16"),
+        (["--pdd-wan-flows", "17"], "--pdd-wan-flows must be in 1-16"),
     ],
 )
 def test_bad_values_exit_with_a_clear_message(argv: list[str], message: str) -> None:
     with pytest.raises(SystemExit, match=message):
         base = ("--pdd-role", "main", "--disaggregation-mode", "decode", "--pdd-control-port", "1")
         config_from_args(parse(*base, *argv))
+
+
+def test_wan_flows_reach_mooncake_unless_the_user_set_its_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for key in (
+        "MC_TCP_LANES_PER_PEER",
+        "MC_TCP_ENABLE_CONNECTION_POOL",
+        ENV_FLOWS,
+        "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER",
+    ):  # monkeypatch removes them again
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MC_TCP_ADMISSION_TIMEOUT_MS", "5")
+    adjust_wan_args(parse("--pdd-wan-flows", "6"))
+    assert os.environ[ENV_FLOWS] == "6" and flows() == 6
+    assert os.environ["MC_TCP_LANES_PER_PEER"] == "6"
+    assert os.environ["MC_TCP_ENABLE_CONNECTION_POOL"] == "1"
+    assert os.environ["MC_TCP_ADMISSION_TIMEOUT_MS"] == "5"  # the user's value stands
 
 
 def test_wrong_mode_exits_with_a_clear_message() -> None:

@@ -142,6 +142,15 @@ def test_single_decoder_paths_equal_colocated(
         pdd = got["meta_info"]["pdd"]
         assert pdd["path"] == label and pdd["handoff_mode"] is None
         assert got["meta_info"]["id"] == pdd["rid"]
+        if path == "main":  # MD's READY reports what crossed the WAN on P -> MD too
+            assert pdd["md_prompt_tokens"] == len(ids), pdd
+            assert pdd["wan_kv_bytes"] == (len(ids) - pdd["md_cached_tokens"]) * 1024, pdd
+        else:
+            assert pdd["wan_kv_bytes"] is None, pdd
+    if path == "main":  # ... and the router learnt the WAN from it
+        with urllib.request.urlopen(f"{deployment.router.url}/status", timeout=30) as resp:
+            wan = json.loads(resp.read())["instances"]["main"][0]["wan"]
+        assert wan["kv_bytes_per_token"] == 1024, wan
 
 
 def test_extend_handoff_equals_colocated(

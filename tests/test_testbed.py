@@ -315,6 +315,32 @@ def test_mooncake_transfer_over_the_wan(testbed: Testbed) -> None:
 
 
 @needs_root
+def test_a_capped_flow_window_and_a_write_over_several_flows() -> None:
+    """`flow_window_mb` caps TCP windows in both datacenters, and pdd's KV write spreads one
+    transfer over that many TCP connections (pdd.srt.wan_write), every byte intact."""
+    tb = Testbed("pddtflow", LinkParams(RATE_MBIT, DELAY_MS), net="10.213", flow_window_mb=0.25)
+    tb.down()
+    tb.up()
+    try:
+        for side in ("a", "b"):
+            for key in ("tcp_rmem", "tcp_wmem"):
+                got = tb.exec(side, ["cat", f"/proc/sys/net/ipv4/{key}"]).stdout.split()
+                assert int(got[-1]) == 256 << 10, (side, key, got)
+        one = transfer(tb, 16 << 20, flows=1, warm_rounds=1)
+        four = transfer(tb, 16 << 20, flows=4, warm_rounds=1)
+    finally:
+        tb.down()
+    for r in one + four:
+        print(
+            f"{r.flows} flow(s) {r.round}: {r.achieved_mbit:.1f} Mbit/s, ratio {r.ratio:.3f}, "
+            f"{r.connections} connection(s), sender CPU {r.sender_cpu:.0%}"
+        )
+    assert all(r.intact for r in one + four), "the payload arrived corrupted"
+    assert [r.connections for r in one] == [1, 1]
+    assert all(r.connections == 4 for r in four), four
+
+
+@needs_root
 def test_down_leaves_nothing_even_without_state() -> None:
     name, net = "pddtdown", "10.212"
     run_cli("--name", name, "down")

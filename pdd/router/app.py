@@ -288,6 +288,7 @@ async def status(request: web.Request) -> web.Response:
             "default_path": config.path,
             "path_policy": asdict(config.path_policy),
             "relay_tpot_s": ctx.relay_speed.tpot_s.value,
+            "prefill_s_per_token": ctx.prefill_speed.s_per_token.value,
             "handoff": asdict(config.handoff),
             "timeouts": asdict(config.timeouts),
             "control": {

@@ -14,7 +14,7 @@ from pdd.control.channel import AsyncControlSocket, Received
 from pdd.control.messages import CacheSync, Message
 from pdd.policy.balance import pick_by_prefix, pick_least_loaded
 from pdd.router.config import RouterConfig
-from pdd.router.estimates import RelaySpeed, WanEstimate, wan_estimate
+from pdd.router.estimates import PrefillSpeed, RelaySpeed, WanEstimate, wan_estimate
 from pdd.router.health import Health
 from pdd.router.md_caches import MdCaches
 from pdd.router.metrics import Metrics
@@ -56,6 +56,7 @@ class RouterContext:
     health: Health = field(init=False)
     wan: list[WanEstimate] = field(init=False)  # per MD
     relay_speed: RelaySpeed = field(default_factory=RelaySpeed)
+    prefill_speed: PrefillSpeed = field(default_factory=PrefillSpeed)
     prefill_index: list[PrefixIndex] = field(init=False)  # per P
 
     def __post_init__(self) -> None:

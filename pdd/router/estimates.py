@@ -1,7 +1,8 @@
 """What the router learns from traffic to predict a path's cost: per MD, the KV bytes per token
 and the WAN's bandwidth and fixed latency (from each READY: KV bytes and the time from feeding
-MD to READY); RLD's time per output token (from its streams). Moving averages, so estimates
-follow a WAN that changes."""
+MD to READY, less P's compute on P -> MD); P's prefill time per token and RLD's time per output
+token (from their answers and streams). Moving averages, so estimates follow a WAN that
+changes."""
 
 from __future__ import annotations
 
@@ -62,6 +63,23 @@ def wan_estimate(prior_mbit: float | None) -> WanEstimate:
     if prior_mbit:
         est.bytes_per_s.add(prior_mbit * 1e6 / 8)
     return est
+
+
+@dataclass
+class PrefillSpeed:
+    """P's seconds per uncached prompt token, from P's answers on paths whose KV stays in
+    datacenter A (so no WAN time is in them)."""
+
+    s_per_token: Ewma = field(default_factory=Ewma)
+    min_tokens: int = 64  # shorter prompts say more about fixed costs than about compute
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens >= self.min_tokens and seconds > 0:
+            self.s_per_token.add(seconds / tokens)
+
+    def prefill_s(self, tokens: int) -> float | None:
+        rate = self.s_per_token.value
+        return None if rate is None else rate * tokens
 
 
 @dataclass

@@ -223,6 +223,7 @@ class PddRequest:
             main_body = self._body(rid=self.rid, room=self.room_md, stream=True, hints=hints)
             self._stream("main", self.main_url, main_body, "MD")
         if self.path == "main":
+            self._mark("prefill_main_sent")
             self._prefill("p", self.room_md)
 
     @property
@@ -364,7 +365,11 @@ class PddRequest:
         self._mark("prefill_done")
         self.meta.p_cached_tokens = event.cached_tokens
         if event.cached_tokens is not None and self.plan.hashes is not None:
-            self._count_hit("P", event.cached_tokens, len(self.plan.hashes.tokens))
+            prompt = len(self.plan.hashes.tokens)
+            self._count_hit("P", event.cached_tokens, prompt)
+            if self.path in ("pdd", "relay") and self.meta.resumed_at is None:
+                t = self.meta.timings["prefill_done"]
+                self.ctx.prefill_speed.observe(prompt - event.cached_tokens, t)
         self._maybe_feed_main()
         return []
 
@@ -506,11 +511,7 @@ class PddRequest:
         self.meta.md_cached_tokens = msg.cached_len
         self.meta.md_prompt_tokens = msg.prompt_len
         self._count_hit("MD", msg.cached_len, msg.prompt_len)
-        t = self.meta.timings
-        if "prefill_md_sent" in t:  # feeding MD -> its KV landed: what the WAN took
-            self.ctx.wan[self.held["main"]].observe(
-                msg.wan_kv_bytes, msg.prompt_len - msg.cached_len, t["ready"] - t["prefill_md_sent"]
-            )
+        self._observe_wan(msg)
         if self.md is not MdState.PENDING:
             return []
         pending = len(self.stitcher.emitted)
@@ -524,6 +525,19 @@ class PddRequest:
             return self._handoff()
         self.md = MdState.CATCHUP
         return self._catchup_step()
+
+    def _observe_wan(self, msg: Ready) -> None:
+        """Feeding MD -> its KV landed: what the WAN took. On P -> RLD -> MD, P holds the prompt
+        by then (feeding MD costs it about a token); on P -> MD, P computes it first."""
+        t, tokens = self.meta.timings, msg.prompt_len - msg.cached_len
+        seconds = 0.0  # without a time, only the KV bytes per token are learnt
+        if "prefill_md_sent" in t:
+            seconds = t["ready"] - t["prefill_md_sent"]
+        elif "prefill_main_sent" in t:
+            compute = self.ctx.prefill_speed.prefill_s(tokens)
+            if compute is not None:
+                seconds = max(t["ready"] - t["prefill_main_sent"] - compute, 0.0)
+        self.ctx.wan[self.held["main"]].observe(msg.wan_kv_bytes, tokens, seconds)
 
     def _on_ack(self, msg: Ack) -> list[Output]:
         if self.md is not MdState.CATCHUP or self.inflight is None:

@@ -21,6 +21,7 @@ from pdd.srt.cpu_disagg import adjust_cpu_args
 from pdd.srt.cpu_support import has_gpu, triton_interpreted
 from pdd.srt.cpu_tp import adjust_cpu_tp_args
 from pdd.srt.hooks import Hook, check_startup
+from pdd.srt.wan_transfer import MAX_FLOWS, adjust_wan_args
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +148,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "arrives, so that those arriving close together share one extend forward; 0 runs each "
         "scheduler step's arrivals together (default: %(default)s).",
     )
+    group.add_argument(
+        "--pdd-wan-flows",
+        type=int,
+        default=MAX_FLOWS,
+        help="KV sent over Mooncake's TCP transport (mooncake_tcp): TCP connections to each "
+        "peer, and a request's KV is cut into pieces that use them all at once "
+        f"(1-{MAX_FLOWS}, default: %(default)s).",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> PddConfig:
@@ -181,6 +190,8 @@ def config_from_args(args: argparse.Namespace) -> PddConfig:
     batch_ms = getattr(args, "pdd_handoff_batch_ms", 0.0)
     if not 0 <= batch_ms <= 10_000:
         raise SystemExit("error: --pdd-handoff-batch-ms must be in 0-10000")
+    if not 1 <= getattr(args, "pdd_wan_flows", MAX_FLOWS) <= MAX_FLOWS:
+        raise SystemExit(f"error: --pdd-wan-flows must be in 1-{MAX_FLOWS}")
     return PddConfig(
         role=role,
         control_host=getattr(args, "pdd_control_host", PddConfig.control_host),
@@ -219,6 +230,7 @@ def _before_from_cli_args(cls: type, args: argparse.Namespace) -> None:
         check_startup("launch_server")
     config.to_env()
     adjust_role_args(args)
+    adjust_wan_args(args)
     adjust_cpu_args(args)
     adjust_cpu_tp_args(args)
 

@@ -126,11 +126,16 @@ class MainDecode:
     # -- parking ----------------------------------------------------------------------------
 
     def take_parkable(self, reqs: list[Any]) -> list[Any]:
-        """Parks the requests with a `park` route hint; returns the others."""
+        """Parks the requests with a `park` route hint; returns the others. Every request routed
+        to MD gets a READY."""
         rest = []
         for req in reqs:
             hint = _route_hint(req)
-            if hint is None or not hint.park or hint.role != "main":
+            if hint is None or hint.role != "main":
+                rest.append(req)
+                continue
+            if not hint.park:  # P -> MD: decodes at once; READY only tells the router the WAN
+                self.send(hint.reply_to, self._ready(req))
                 rest.append(req)
                 continue
             prompt_len = len(req.origin_input_ids)
@@ -142,18 +147,20 @@ class MainDecode:
                 self.cancel(parked, f"cancelled by the router: {early[0]}")
                 self.stats.cancelled += 1
                 continue
-            cached = int(getattr(req.kv, "cache_protected_len", 0) or 0)
-            self.send(
-                hint.reply_to,
-                Ready(
-                    rid=req.rid,
-                    prompt_len=prompt_len,
-                    cached_len=cached,
-                    wan_kv_bytes=(prompt_len - cached) * self.kv_bytes_per_token,
-                    first_token=int(req.output_ids[0]),
-                ),
-            )
+            self.send(hint.reply_to, self._ready(req))
         return rest
+
+    def _ready(self, req: Any) -> Ready:
+        """The request's KV has landed: what crossed the WAN for it."""
+        prompt_len = len(req.origin_input_ids)
+        cached = int(getattr(req.kv, "cache_protected_len", 0) or 0)
+        return Ready(
+            rid=req.rid,
+            prompt_len=prompt_len,
+            cached_len=cached,
+            wan_kv_bytes=(prompt_len - cached) * self.kv_bytes_per_token,
+            first_token=int(req.output_ids[0]),
+        )
 
     # -- control messages -------------------------------------------------------------------
 

@@ -1,0 +1,86 @@
+"""KV writes over Mooncake's TCP transport: several TCP flows per request, and no spinning.
+
+SGLang's Mooncake sender hands each chunk of a request's KV to one
+`batch_transfer_sync_write`, which has two costs across a WAN:
+- Mooncake's TCP transport gives each entry of a batch to one of the peer's connections
+  ("lanes", `MC_TCP_LANES_PER_PEER`, at most 16) and never splits an entry, so a request whose
+  KV is a few large blocks rides one or two TCP flows. A flow carries at most its window per
+  round trip: with stock Linux windows (a few MB) at 25-80 ms RTT that is 0.5-2 Gbit/s of a
+  10-100 Gbit/s line.
+- The synchronous call busy-polls the transfer status in C++ for as long as the transfer runs:
+  a whole core per sender, taken from the servers that compute.
+
+With the TCP transport (`mooncake_tcp`), pdd writes instead: blocks larger than a piece are
+split into pieces so that there are about two per lane, each piece is submitted on its own
+(`transfer_submit_write`), at most a few per lane in flight at once, and the sender polls their
+status with a short, growing sleep. `--pdd-wan-flows` sets the lanes (the TCP flows to each
+peer). Nothing changes on other transports (RDMA posts a batch in one go and completes fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from sglang.srt.plugins.hook_registry import HookType
+
+from pdd.srt.hooks import Hook
+from pdd.srt.wan_write import MAX_FLOWS, Block, mooncake_env, write
+
+logger = logging.getLogger(__name__)
+
+ENV_FLOWS = "PDD_WAN_FLOWS"
+WANT_WINDOW = 16 << 20  # per-flow socket buffer below which start-up warns
+
+
+def tcp_transport() -> bool:
+    """Whether this process's Mooncake engine uses its TCP transport."""
+    return os.environ.get("MC_FORCE_TCP") == "1" or os.environ.get("MOONCAKE_PROTOCOL") == "tcp"
+
+
+def flows() -> int:
+    return int(os.environ.get(ENV_FLOWS) or MAX_FLOWS)
+
+
+def adjust_wan_args(args: argparse.Namespace) -> None:
+    """Passes `--pdd-wan-flows` to this server's processes and Mooncake (unless the user set
+    Mooncake's variables), and warns when the socket buffers cap each flow low."""
+    n = int(getattr(args, "pdd_wan_flows", MAX_FLOWS))
+    os.environ[ENV_FLOWS] = str(n)
+    for key, value in mooncake_env(n).items():
+        os.environ.setdefault(key, value)
+    if getattr(args, "disaggregation_mode", None) in (None, "null"):
+        return
+    for key in ("net.ipv4.tcp_wmem", "net.ipv4.tcp_rmem"):
+        window = _sysctl_max(key)
+        if window is not None and window < WANT_WINDOW:
+            logger.warning(
+                "pdd: %s allows each TCP flow %.1f MB in flight: %d flows carry at most %.1f "
+                "Gbit/s at 50 ms RTT. For a long fat WAN raise it, e.g. sysctl -w %s=\"4096 "
+                "131072 %d\" (docs/wan.md)", key, window / 2**20, n,
+                n * window * 8 / 0.05 / 1e9, key, WANT_WINDOW)  # fmt: skip
+
+
+def _sysctl_max(key: str) -> int | None:
+    try:
+        with open(os.path.join("/proc/sys", *key.split("."))) as f:
+            return int(f.read().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _around_transfer_data(
+    original: Any, manager: Any, session: str, blocks: Sequence[Block], *args: Any, **kw: Any
+) -> int:
+    if not blocks or not tcp_transport():
+        return int(original(manager, session, blocks, *args, **kw))
+    return write(manager.engine.engine, session, blocks, flows())
+
+
+HOOKS = (
+    Hook("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._transfer_data",
+         _around_transfer_data, HookType.AROUND),
+)  # fmt: skip
