@@ -9,8 +9,9 @@ datacenter's WAN address. The receiver registers a buffer and reports its addres
 (out of band, through this process); the sender writes a fresh random payload into it the way
 pdd's servers write a request's KV (`pdd.srt.wan_write`: pieces over N TCP flows, polled
 without spinning), once "cold" on a fresh engine (connection set-up and TCP start-up
-included), then three times "warm" on the connections the first write opened, as between
-long-running prefill and decode servers; so for each number of flows. After each write the
+included), then, once every flow's connection is open (Mooncake opens them one at a time as writes
+need them: "ramp" rounds, at most five), three times "warm", as between long-running prefill
+and decode servers; so for each number of flows. After each write the
 receiver hashes its buffer and clears it. The table shows each write's rate, its ratio to the
 link rate (target: a median warm ratio >= 0.85 with the most flows) and the CPU the WAN daemon
 and the sender spent meanwhile. The testbed is removed at the end, also on failure.
@@ -47,6 +48,7 @@ MARK = "RESULT "  # our lines on stdout; Mooncake may print its own
 TARGET_RATIO = 0.85
 TIMEOUT_S = 120.0
 WARM_ROUNDS = 3
+RAMP_ROUNDS = 5
 
 
 @dataclass
@@ -172,7 +174,10 @@ def transfer(
                 env={**os.environ, **mooncake_env(flows)},
             )  # fmt: skip
             procs.append(sender)
-            for i, name in enumerate(["cold"] + ["warm"] * warm_rounds):
+            # Mooncake opens a peer's lanes one at a time, as writes need them: "ramp" rounds
+            # run until every lane is open (at most RAMP_ROUNDS), then the warm ones.
+            name, warm = "cold", 0
+            while warm < warm_rounds:
                 cpu = tb.wan.status()["cpu_s"]
                 sent = read_result(sender, log, timeout)
                 cpu = tb.wan.status()["cpu_s"] - cpu
@@ -184,7 +189,12 @@ def transfer(
                     sent["seconds"], sent["sha256"] == received["sha256"], cpu / sent["seconds"],
                     sent["cpu"], sent["connections"],
                 ))  # fmt: skip
-                if i < warm_rounds:
+                ramped = sum(r.round == "ramp" for r in results)
+                if sent["connections"] >= flows or ramped >= RAMP_ROUNDS:
+                    name, warm = "warm", warm + (name == "warm")
+                else:
+                    name = "ramp"
+                if warm < warm_rounds:
                     ask(sender, log, timeout, reply=False)
         finally:
             for proc in procs:

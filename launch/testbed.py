@@ -251,6 +251,8 @@ class Testbed:
         window = self.flow_window_bytes
         netns.write_sysctl(ns, "net.ipv4.tcp_rmem", f"4096 {min(131072, window)} {window}")
         netns.write_sysctl(ns, "net.ipv4.tcp_wmem", f"4096 16384 {window}")
+        # A flow idle between two requests keeps its window (docs/wan.md: WAN hosts set this).
+        netns.write_sysctl(ns, "net.ipv4.tcp_slow_start_after_idle", "0")
         host = self.host_device(side)
         netns.run(["ip", "link", "add", host, "type", "veth", "peer", "name", MGMT_DEVICE,
                    "netns", ns])  # fmt: skip

@@ -337,7 +337,7 @@ def test_a_capped_flow_window_and_a_write_over_several_flows() -> None:
         )
     assert all(r.intact for r in one + four), "the payload arrived corrupted"
     assert [r.connections for r in one] == [1, 1]
-    assert all(r.connections == 4 for r in four), four
+    assert [r.connections for r in four if r.round == "warm"] == [4], four
 
 
 @needs_root

@@ -3,13 +3,16 @@
 When SGLang's scheduler has nothing to run but is not idle (KV transfers in flight on P or on a
 decode server, MD's parked requests), its loop goes round with `time.sleep(0)`: a whole core per
 server for as long as a WAN transfer lasts, taken from the servers that do have work. Servers
-with a PDD role wait on their input sockets for a few milliseconds instead, so a new request or
-control message still wakes them at once and a finished transfer is seen within one tick.
+with a PDD role wait on their input sockets for up to a tick instead, so a new request or
+control message still wakes them at once. A KV transfer's status change (bootstrapped, sent,
+landed, failed: SGLang's `CommonKVManager.update_status`, called from Mooncake's threads)
+wakes them too, through an eventfd, so the tick can be long: the loop goes round a few dozen
+times a second while it only waits.
 """
 
 from __future__ import annotations
 
-import time
+import os
 from typing import Any
 
 import zmq
@@ -18,7 +21,17 @@ from sglang.srt.plugins.hook_registry import HookType
 from pdd.srt.flags import PddConfig
 from pdd.srt.hooks import Hook
 
-TICK_MS = 5
+TICK_MS = 25
+FOLLOWER_TICK_MS = 1
+_wake_fd: int | None = None
+
+
+def wake_fd() -> int:
+    """This process's eventfd that KV status changes write to (made on first use)."""
+    global _wake_fd
+    if _wake_fd is None:
+        _wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    return _wake_fd
 
 
 class Waiter:
@@ -27,6 +40,7 @@ class Waiter:
         self.sockets = 0
         ipc = getattr(scheduler, "ipc_channels", None)
         self.add(getattr(ipc, "recv_from_tokenizer", None))
+        self.poller.register(wake_fd(), zmq.POLLIN)
 
     def add(self, socket: zmq.Socket | None) -> None:
         if socket is not None:
@@ -34,10 +48,14 @@ class Waiter:
             self.sockets += 1
 
     def wait(self) -> None:
-        if self.sockets:
-            self.poller.poll(TICK_MS)
-        else:  # a rank without input sockets
-            time.sleep(TICK_MS / 1000)
+        # A rank without input sockets is paced by rank 0 (it blocks in SGLang's broadcast of
+        # rank 0's requests), so its own wait only delays it.
+        events = dict(self.poller.poll(TICK_MS if self.sockets else FOLLOWER_TICK_MS))
+        if wake_fd() in events:
+            try:
+                os.eventfd_read(wake_fd())
+            except BlockingIOError:  # another thread of this process drained it
+                pass
 
 
 def waiter(scheduler: Any) -> Waiter | None:
@@ -56,4 +74,15 @@ def _after_on_idle(result: None, scheduler: Any) -> None:
         w.wait()
 
 
-HOOKS = (Hook("sglang.srt.managers.scheduler.Scheduler.on_idle", _after_on_idle, HookType.AFTER),)
+def _after_update_status(result: None, manager: Any, *args: Any, **kwargs: Any) -> None:
+    try:
+        os.eventfd_write(wake_fd(), 1)
+    except OSError:  # the counter is full: a wake-up is pending anyway
+        pass
+
+
+HOOKS = (
+    Hook("sglang.srt.managers.scheduler.Scheduler.on_idle", _after_on_idle, HookType.AFTER),
+    Hook("sglang.srt.disaggregation.common.conn.CommonKVManager.update_status",
+         _after_update_status, HookType.AFTER),
+)  # fmt: skip

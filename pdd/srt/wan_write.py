@@ -13,9 +13,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 MIN_PIECE = 1 << 20  # a piece costs its lane a round trip for the receiver's ack: not smaller
-MAX_PIECE = 4 << 20
+MAX_PIECE = 64 << 20
 PENDING_PER_FLOW = 4  # submitted, unfinished pieces per lane: lanes never wait for work
-POLL_SLEEP_S = (0.0002, 0.002)  # the poll's sleep grows from the first to the second
+POLL_SLEEP_S = (0.0002, 0.01)  # the poll's sleep grows from the first to the second
 ADMISSION_TIMEOUT_S = 120.0  # Mooncake may queue a piece this long before a lane takes it
 MAX_FLOWS = 16  # Mooncake's most lanes per peer
 
@@ -34,8 +34,8 @@ def mooncake_env(n: int) -> dict[str, str]:
 
 
 def piece_size(total: int, n: int) -> int:
-    """About two pieces per lane, each 1-4 MiB."""
-    return max(MIN_PIECE, min(MAX_PIECE, -(-total // (2 * n))))
+    """About one piece per lane (each piece costs its lane an ack round trip), 1-64 MiB."""
+    return max(MIN_PIECE, min(MAX_PIECE, -(-total // n)))
 
 
 def pieces(blocks: Sequence[Block], n: int) -> list[Block]:
