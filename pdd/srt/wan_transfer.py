@@ -11,7 +11,7 @@ SGLang's Mooncake sender hands each chunk of a request's KV to one
   a whole core per sender, taken from the servers that compute.
 
 With the TCP transport (`mooncake_tcp`), pdd writes instead: blocks larger than a piece are
-split into pieces so that there are about two per lane, each piece is submitted on its own
+split into pieces so that there is about one per lane, each piece is submitted on its own
 (`transfer_submit_write`), at most a few per lane in flight at once, and the sender polls their
 status with a short, growing sleep. `--pdd-wan-flows` sets the lanes (the TCP flows to each
 peer). Nothing changes on other transports (RDMA posts a batch in one go and completes fast).
