@@ -318,7 +318,7 @@ def test_mooncake_transfer_over_the_wan(testbed: Testbed) -> None:
 def test_a_capped_flow_window_and_a_write_over_several_flows() -> None:
     """`flow_window_mb` caps TCP windows in both datacenters, and pdd's KV write spreads one
     transfer over that many TCP connections (pdd.srt.wan_write), every byte intact."""
-    tb = Testbed("pddtflow", LinkParams(RATE_MBIT, DELAY_MS), net="10.213", flow_window_mb=0.25)
+    tb = Testbed("pddtflow", LinkParams(RATE_MBIT, DELAY_MS), net="10.239", flow_window_mb=0.25)
     tb.down()
     tb.up()
     try:

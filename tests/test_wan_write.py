@@ -27,11 +27,11 @@ def test_pieces_cover_every_byte_once_in_order() -> None:
         assert mine[0][:2] == (src, dst)
 
 
-def test_piece_size_aims_at_two_per_flow_within_bounds() -> None:
-    assert piece_size(64 * MIB, 16) == 2 * MIB  # 32 pieces: two per flow
-    assert piece_size(64 * MIB, 1) == MAX_PIECE  # not one 32 MiB piece
+def test_piece_size_aims_at_one_per_flow_within_bounds() -> None:
+    assert piece_size(64 * MIB, 16) == 4 * MIB  # 16 pieces: one per flow
+    assert len(pieces([(0, 0, 64 * MIB)], 16)) == 16
+    assert piece_size(1024 * MIB, 1) == MAX_PIECE  # not one 1 GiB piece
     assert piece_size(100, 16) == MIN_PIECE  # a small write stays whole
-    assert len(pieces([(0, 0, 64 * MIB)], 16)) == 32
 
 
 @dataclass
@@ -63,16 +63,20 @@ class ScriptedEngine:
         return -1 if batch - 1 == self.fail_piece else 1
 
 
+# Twenty 2 MiB blocks (a layer's K or V each, say): smaller than a piece, so twenty entries.
+BLOCKS = [(i * 4 * MIB, i * 4 * MIB, 2 * MIB) for i in range(20)]
+
+
 def test_write_submits_every_piece_and_bounds_what_is_in_flight() -> None:
     engine = ScriptedEngine()
-    assert write(engine, "peer", [(0, 0, 40 * MIB)], 2) == 0
-    assert engine.submitted == pieces([(0, 0, 40 * MIB)], 2)
-    assert engine.most_pending <= PENDING_PER_FLOW * 2 and not engine.checks
+    assert write(engine, "peer", BLOCKS, 2) == 0
+    assert engine.submitted == pieces(BLOCKS, 2) == BLOCKS
+    assert engine.most_pending == PENDING_PER_FLOW * 2 and not engine.checks
 
 
 @pytest.mark.parametrize("script", [{"fail_piece": 3}, {"refuse_piece": 3}])
 def test_a_failed_piece_fails_the_write_after_every_submitted_one_finished(script: dict) -> None:
     engine = ScriptedEngine(**script)
-    assert write(engine, "peer", [(0, 0, 40 * MIB)], 2) == -1
+    assert write(engine, "peer", BLOCKS, 2) == -1
     assert not engine.checks  # nothing left in flight when the write returns
-    assert len(engine.submitted) < len(pieces([(0, 0, 40 * MIB)], 2))  # the rest was not sent
+    assert len(engine.submitted) < len(BLOCKS)  # the rest was not sent

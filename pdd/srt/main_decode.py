@@ -225,8 +225,8 @@ class MainDecode:
             self.inbox.append(ControlBatch(messages=later))
         for parked, tokens in joining:
             self._join(parked, tokens)
-        for batch in batches:
-            self._expire(batch, busy)
+        for batch in batches:  # not those acted on this step: their extend is about to run
+            self._expire(batch, busy | seen)
         if self.leader:
             self.reporter.flush()
             self._log_stats()
@@ -388,7 +388,7 @@ class MainDecode:
 
     def _expire(self, batch: ControlBatch, busy: set[str]) -> None:
         """What rank 0's clock ran out (the same on every rank, unlike the clocks). A request
-        whose extend is running is left alone: rank 0 names it again next step."""
+        whose extend runs is left alone: rank 0 names it again next step if still parked."""
         for rid in batch.forgotten:  # its KV never came (aborted, failed): forget it
             self.early_cancels.pop(rid, None)
         for rid, reason in batch.expired:
