@@ -195,7 +195,7 @@ class MainDecode:
         joining: list[tuple[Parked, tuple[int, ...]]] = []
         later: list[Message] = []  # for requests whose previous extend is still in flight
         seen: set[str] = set()
-        busy = {rid for f in self.flights for rid in f.rids()}
+        busy = self._running()
         batches, self.inbox = self.inbox, []
         for msg in (m for b in batches for m in b.messages):
             # Each step acts at most once per request, after its running extend: the next
@@ -292,6 +292,10 @@ class MainDecode:
         self.flights.append(flight)
         return flight.batch
 
+    def _running(self) -> set[str]:
+        """The requests whose handoff extend SGLang's loop is running."""
+        return {rid for f in self.flights for rid in f.rids()}
+
     def launched(self, batch: Any) -> Flight | None:
         """The flight `batch` is, when SGLang is about to run one of MD's extends."""
         last = self.flights[-1] if self.flights else None
@@ -320,7 +324,8 @@ class MainDecode:
         if getattr(result, "copy_done", None) is not None:
             result.copy_done.synchronize()  # the KV is written before the requests move on
         if flight.problem is not None:
-            self._fail(flight.work, flight.problem)
+            self._fail(flight.work, flight.problem)  # an abort meanwhile is moot: they are gone
+            self.aborted.difference_update(flight.rids())
             return True
         self.stats.extend_tokens += sum(w.upto - w.parked.done for w in flight.work)
         land(flight)
@@ -377,7 +382,7 @@ class MainDecode:
     def abort(self, rid: str, abort_all: bool) -> None:
         """SGLang's own abort (client gone, /abort_request) also reaches parked requests; one
         whose extend is running leaves when MD takes the extend's result."""
-        busy = {r for f in self.flights for r in f.rids()}
+        busy = self._running()
         for key in list(self.parked):
             if abort_all or key.startswith(rid):
                 if key in busy:
