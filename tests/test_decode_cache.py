@@ -5,8 +5,8 @@ token in float32) so that KV bytes dominate what the WAN link counts.
 Outputs across turns are compared with a colocated server in tests/test_main_decode.py (tiny
 model). Here only the first turn is: the wide model's random weights have near-ties in their
 logits, and in later turns MD attends over KV of mixed origin (P's prefill for the prompt, MD's
-own decode steps for earlier answers), whose bf16 rounding differs from a colocated server's
-enough to flip one.
+own decode steps for earlier answers), whose rounding differs from a colocated server's (in
+float32 too, only less) enough to flip one.
 """
 
 from __future__ import annotations
@@ -47,11 +47,16 @@ class Setup:
         """Bytes the WAN link carried from A to B so far (the KV's direction)."""
         return int(self.tb.wan.status()["counters"]["a_to_b"]["bytes"])
 
-    def turn(self, ids: list[int], compare: bool = False) -> tuple[dict, int]:
+    def turn(
+        self, ids: list[int], compare: bool = False, path: str | None = None
+    ) -> tuple[dict, int]:
         """One request through PDD; its result and the WAN bytes A -> B it caused."""
         before = self.wan_bytes()
         sampling = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
-        got = generate(self.pdd.url, {"input_ids": ids, "sampling_params": sampling}, 300)
+        body: dict = {"input_ids": ids, "sampling_params": sampling}
+        if path is not None:
+            body["pdd_path"] = path
+        got = generate(self.pdd.url, body, 300)
         wan = self.wan_bytes() - before
         if compare:
             ref = generate(self.colocated.url, {"input_ids": ids, "sampling_params": sampling})
@@ -125,8 +130,11 @@ def test_after_md_evicts_what_it_lacks_crosses_again(setup: Setup) -> None:
     for k, (turn, _, _) in enumerate(first):
         ids = ids + turn["output_ids"] + random_ids(150, 2 * 100 + k, VOCAB)
     time.sleep(0.5)
-    again, wan = setup.turn(ids)
+    # P -> MD: MD surely takes this turn (on P -> RLD -> MD, RLD may finish 48 tokens before the
+    # whole prompt's KV has crossed, and then MD never reports its hit).
+    again, wan = setup.turn(ids, path="main")
     meta = again["meta_info"]["pdd"]
+    assert meta["path"] == "P->MD", meta
     assert meta["md_cached_tokens"] <= 1, meta
     assert meta["md_predicted_cached_tokens"] == 0, meta  # the flush reached the router too
     expected = (len(ids) - meta["md_cached_tokens"]) * setup.kv_per_token
