@@ -29,7 +29,7 @@ from pdd.launch.cli import command_parser
 from pdd.launch.pd_local import generate
 from pdd.launch.pdd_deploy import PDDDeployment
 from pdd.launch.process import exit_on_sigterm
-from pdd.launch.testbed import Testbed
+from pdd.launch.testbed import Testbed, add_flow_window_argument
 from pdd.launch.wan import LinkParams
 
 WINDOW = 10  # requests per point of the hit-rate plot
@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new", type=int, default=32)
     parser.add_argument("--rate-mbit", type=float, default=200.0)
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one way")
+    add_flow_window_argument(parser)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("runs/bench_drc"))
     args = parser.parse_args(argv)
@@ -186,7 +187,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.model.name}, {args.sessions} agentic sessions, {args.requests} requests, "
         f"{args.pool}-token KV pools on P and MD, WAN {args.rate_mbit:.0f} Mbit/s"
     )
-    tb = Testbed("pddbdrc", LinkParams(args.rate_mbit, args.delay_ms), net="10.225")
+    tb = Testbed(
+        "pddbdrc",
+        LinkParams(args.rate_mbit, args.delay_ms),
+        net="10.225",
+        flow_window_mb=args.flow_window_mb,
+    )
     tb.down()
     tb.up()
     args.out.mkdir(parents=True, exist_ok=True)

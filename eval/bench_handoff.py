@@ -39,7 +39,7 @@ from pdd.launch.cli import command_parser
 from pdd.launch.pd_local import generate
 from pdd.launch.process import exit_on_sigterm, free_port, stop_groups
 from pdd.launch.servers import SGLangServer
-from pdd.launch.testbed import Testbed
+from pdd.launch.testbed import Testbed, add_flow_window_argument
 from pdd.launch.wan import LinkParams
 from pdd.models.kv import kv_bytes_per_token
 
@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", type=Path, default=Path("models/wide"))
     parser.add_argument("--rate-mbit", type=float, default=100.0)
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one way")
+    add_flow_window_argument(parser)
     parser.add_argument("--jitter-ms", type=float, default=10.0, help="one way, uniform +-")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_handoff"))
     args = parser.parse_args(argv)
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
              f"+-{2 * args.jitter_ms:.0f} ms jitter")  # fmt: skip
     print(title, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    tb = Testbed("pddhand", link, net="10.219")
+    tb = Testbed("pddhand", link, net="10.219", flow_window_mb=args.flow_window_mb)
     tb.down()
     tb.up()
     try:

@@ -35,7 +35,7 @@ from pdd.eval.prompts import random_ids
 from pdd.launch.cli import command_parser
 from pdd.launch.pdd_deploy import PDDDeployment
 from pdd.launch.servers import HttpService
-from pdd.launch.testbed import Testbed
+from pdd.launch.testbed import Testbed, add_flow_window_argument
 from pdd.launch.wan import LinkParams
 from pdd.models.kv import kv_bytes_per_token
 
@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new", type=int, default=300)
     parser.add_argument("--rate-mbit", type=float, default=10.0)
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one-way (RTT: twice this)")
+    add_flow_window_argument(parser)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--run-dir", type=Path, default=Path("runs/bench_rld_tpot"))
@@ -165,7 +166,12 @@ def main(argv: list[str] | None = None) -> None:
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     kv = kv_bytes_per_token(args.model, 4 if args.dtype == "float32" else 2)
     landed_s = args.prompt * kv * 8 / (args.rate_mbit * 1e6) + 5  # MD's KV crossed by then
-    tb = Testbed("pddtpot", LinkParams(args.rate_mbit, args.delay_ms), net="10.214")
+    tb = Testbed(
+        "pddtpot",
+        LinkParams(args.rate_mbit, args.delay_ms),
+        net="10.214",
+        flow_window_mb=args.flow_window_mb,
+    )
     tb.down()
     tb.up()
     dep = None

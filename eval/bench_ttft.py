@@ -35,7 +35,7 @@ from pdd.launch.cli import command_parser
 from pdd.launch.pd_local import generate
 from pdd.launch.pdd_deploy import PDDDeployment
 from pdd.launch.process import exit_on_sigterm
-from pdd.launch.testbed import Testbed
+from pdd.launch.testbed import Testbed, add_flow_window_argument
 from pdd.launch.wan import LinkParams
 from pdd.models.kv import kv_bytes_per_token
 
@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", type=Path, default=Path("models/wide"))
     parser.add_argument("--rate-mbit", type=float, default=100.0)
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one way")
+    add_flow_window_argument(parser)
     parser.add_argument("--prompt-tokens", type=int, default=1200)
     parser.add_argument("--requests", type=int, default=10)
     parser.add_argument("--max-new", type=int, default=96, help="output tokens per request")
@@ -159,7 +160,12 @@ def main(argv: list[str] | None = None) -> None:
              f"WAN {args.rate_mbit:.0f} Mbit/s, RTT {2 * args.delay_ms:.0f} ms")  # fmt: skip
     print(f"{title}: the KV alone needs {wire_s:.2f}s on the WAN", flush=True)
 
-    tb = Testbed("pddttft", LinkParams(args.rate_mbit, args.delay_ms), net="10.215")
+    tb = Testbed(
+        "pddttft",
+        LinkParams(args.rate_mbit, args.delay_ms),
+        net="10.215",
+        flow_window_mb=args.flow_window_mb,
+    )
     tb.down()
     tb.up()
     args.out.mkdir(parents=True, exist_ok=True)

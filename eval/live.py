@@ -40,7 +40,7 @@ from pdd.eval.workload import TraceRequest, WorkloadConfig, generate, hit_rate_s
 from pdd.launch.cli import command_parser
 from pdd.launch.pdd_deploy import PDDDeployment
 from pdd.launch.process import exit_on_sigterm
-from pdd.launch.testbed import Testbed
+from pdd.launch.testbed import Testbed, add_flow_window_argument
 from pdd.launch.wan import LinkParams
 from pdd.models.kv import kv_bytes_per_token
 
@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     pace.add_argument("--rate", type=float, default=None, help="requests per second, open loop")
     parser.add_argument("--rate-mbit", type=float, default=100.0)
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one way")
+    add_flow_window_argument(parser)
     parser.add_argument("--ttft-sla", type=float, default=3.0)
     parser.add_argument("--tpot-sla", type=float, default=0.5)
     parser.add_argument("--deployments", default=",".join(d.name for d in DEPLOYMENTS),
@@ -165,11 +166,17 @@ def main(argv: list[str] | None = None) -> int:
     title = (
         f"{args.model.name}, {len(trace)} requests (mean hit {hits['mean_hit']:.0%}), "
         f"WAN {args.rate_mbit:.0f} Mbit/s, RTT {2 * args.delay_ms:.0f} ms, "
+        f"TCP window {args.flow_window_mb * 1024:g} KB per flow, "
         f"SLA TTFT <= {sla.ttft_s:g}s, TPOT <= {sla.tpot_s:g}s"
     )
     print(title, flush=True)
     pool = () if args.pool is None else ("--max-total-tokens", str(args.pool))
-    tb = Testbed("pddlive", LinkParams(args.rate_mbit, args.delay_ms), net="10.229")
+    tb = Testbed(
+        "pddlive",
+        LinkParams(args.rate_mbit, args.delay_ms),
+        net="10.229",
+        flow_window_mb=args.flow_window_mb,
+    )
     tb.down()
     tb.up()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,9 @@ before the first token) and once through PDD (P -> RLD -> MD: RLD answers at onc
 crosses, then MD takes over). Prints a table per turn and a summary, writes a PNG, tears down.
 
 Scale: this CPU prefills ~1000x slower than a GPU, so the WAN is scaled alike (default 10 Mbit/s
-standing for 10 Gbit/s) for the KV transfer to weigh what it weighs in production.
+standing for 10 Gbit/s) for the KV transfer to weigh what it weighs in production, and so is each
+TCP flow's window (default 64 KB for production's 64 MB socket buffers), so that one flow carries
+the share of the line it carries in production.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pdd.launch.cli import command_parser
 from pdd.launch.pd_local import format_seconds
 from pdd.launch.pdd_deploy import PDDDeployment
 from pdd.launch.process import exit_on_sigterm
-from pdd.launch.testbed import Testbed
+from pdd.launch.testbed import Testbed, add_flow_window_argument
 from pdd.launch.wan import LinkParams
 from pdd.models.kv import kv_bytes_per_token
 
@@ -94,17 +96,23 @@ def run_session(url: str, tokenizer: object, key: str, turns: int, max_new: int)
 def summary(sessions: list[Session]) -> str:
     naive, pdd = sessions
     lines = [f"{'turn':>4} {'context':>8} {'naive TTFT':>10} {'PDD TTFT':>9} {'speed-up':>8} "
+             f"{'naive E2E':>9} {'PDD E2E':>8} "
              f"{'PDD tokens RLD/MD':>17} {'handoff':>8}"]  # fmt: skip
     for i, (a, b) in enumerate(zip(naive.turns, pdd.turns, strict=True), 1):
         lines.append(
             f"{i:>4} {b.context_tokens:>8} {a.ttft_s:>9.2f}s {b.ttft_s:>8.2f}s "
-            f"{a.ttft_s / b.ttft_s:>7.1f}x {b.relay_tokens:>8}/{b.main_tokens:<8} "
-            f"{b.handoff or 'none':>8}"
+            f"{a.ttft_s / b.ttft_s:>7.1f}x {a.total_s:>8.2f}s {b.total_s:>7.2f}s "
+            f"{b.relay_tokens:>8}/{b.main_tokens:<8} {b.handoff or 'none':>8}"
         )
     mean_a = statistics.fmean(t.ttft_s for t in naive.turns)
     mean_b = statistics.fmean(t.ttft_s for t in pdd.turns)
     lines.append(f"mean TTFT: naive cross-DC PD {mean_a:.2f}s, PDD {mean_b:.2f}s "
                  f"({mean_a / mean_b:.1f}x faster to first token)")  # fmt: skip
+    e2e_a = statistics.fmean(t.total_s for t in naive.turns)
+    e2e_b = statistics.fmean(t.total_s for t in pdd.turns)
+    faster = sum(b.total_s < a.total_s for a, b in zip(naive.turns, pdd.turns, strict=True))
+    lines.append(f"mean end-to-end: naive cross-DC PD {e2e_a:.2f}s, PDD {e2e_b:.2f}s; PDD "
+                 f"finished first in {faster} of {len(pdd.turns)} turns")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -137,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new", type=int, default=96, help="output tokens per turn (at most)")
     parser.add_argument("--rate-mbit", type=float, default=10.0)
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one way")
+    add_flow_window_argument(parser)
     parser.add_argument("--run-dir", type=Path, default=None, help="logs (default: a temp dir)")
     args = parser.parse_args(argv)
     exit_on_sigterm()
@@ -146,9 +155,15 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="pdd-demo-"))
     kv_kb = kv_bytes_per_token(args.model) / 1024
     title = (f"{args.model.name} ({kv_kb:.0f} KiB of KV per token), WAN {args.rate_mbit:g} Mbit/s, "
-             f"RTT {2 * args.delay_ms:g} ms")  # fmt: skip
+             f"RTT {2 * args.delay_ms:g} ms, "
+             f"TCP window {args.flow_window_mb * 1024:g} KB per flow")  # fmt: skip
     print(f"[demo] {title}; logs in {run_dir}", flush=True)
-    tb = Testbed("pdddemo", LinkParams(args.rate_mbit, args.delay_ms), net="10.221")
+    tb = Testbed(
+        "pdddemo",
+        LinkParams(args.rate_mbit, args.delay_ms),
+        net="10.221",
+        flow_window_mb=args.flow_window_mb,
+    )
     tb.down()
     tb.up()
     # Both sessions share MD; its decode-side cache would make the naive path less naive.

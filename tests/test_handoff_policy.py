@@ -13,6 +13,7 @@ from pdd.policy import (
     handoff_tokens,
     next_step,
     pick_least_loaded,
+    relay_finishes,
 )
 
 
@@ -23,10 +24,18 @@ def test_policy_validates() -> None:
         {"threshold": -1},
         {"auto_max_relay_load": -1},
         {"max_chunks": -1},
+        {"finish_on_relay": -1},
     ]
     for bad in bad_values:
         with pytest.raises(ValueError):
             HandoffPolicy(**bad)  # type: ignore[arg-type]
+
+
+def test_rld_finishes_an_answer_with_few_tokens_left() -> None:
+    policy = HandoffPolicy(finish_on_relay=8)
+    assert relay_finishes(policy, left=8) and relay_finishes(policy, left=0)
+    assert not relay_finishes(policy, left=9)
+    assert not relay_finishes(HandoffPolicy(finish_on_relay=0), left=1)
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import pytest
 
 from pdd.policy.balance import pick_by_prefix, pick_least_loaded
 from pdd.policy.path import PathPolicy, Signals, auto_path, choose_path, transfer_seconds
-from pdd.router.estimates import RelaySpeed, wan_estimate
+from pdd.router.estimates import RelaySpeed, direct_wan_seconds, wan_estimate
 from pdd.router.health import Health
 from pdd.router.prefix_index import PrefixIndex
 
@@ -89,6 +89,12 @@ def test_wan_estimate_learns_latency_and_bandwidth() -> None:
     assert est.to_dict()["mbit_per_s"] == pytest.approx(100, rel=0.05)
     assert est.transfer_s(100) == pytest.approx(0.05 + 3.2e6 / 12.5e6, rel=0.05)
     assert wan_estimate(400).to_dict()["mbit_per_s"] == pytest.approx(400)
+
+
+def test_p_to_md_teaches_the_wan_only_when_ps_compute_is_a_small_part() -> None:
+    assert direct_wan_seconds(1.0, 0.2) == pytest.approx(0.8)
+    assert direct_wan_seconds(1.0, None) == 0.0  # P's speed unknown: no time learnt
+    assert direct_wan_seconds(0.6, 0.45) == 0.0  # an error there would double the bandwidth
 
 
 def test_relay_speed_ignores_short_streams() -> None:

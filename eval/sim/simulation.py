@@ -55,7 +55,7 @@ from pdd.eval.sim.results import RequestResult, SimResult, summarize
 from pdd.eval.sim.tiers import Decode, Prefill, RequestState, Slot
 from pdd.eval.sim.wan import Wan
 from pdd.policy.balance import pick_least_loaded
-from pdd.policy.handoff import choose_mode, next_step
+from pdd.policy.handoff import choose_mode, next_step, relay_finishes
 from pdd.policy.path import Signals, choose_path
 from pdd.router.estimates import RelaySpeed, WanEstimate
 
@@ -251,6 +251,14 @@ class Simulation:
         suffix = st.req.prompt_tokens - st.md_hit
         self.wan_est[st.md].observe(int(st.wan_bytes), suffix, now - st.wan_sent_s)
         pending = self._available(st)
+        slot = st.rld_slot
+        relay_running = slot is not None and slot.running and slot.active
+        left = st.req.output_tokens - pending
+        if relay_running and relay_finishes(self.cfg.handoff, left=left):
+            if st.md_slot is not None:  # cancelled; MD keeps the prompt's KV in its cache
+                self.md[st.md].release(st.md_slot)
+            self._release_main(st)
+            return
         load = self.load["RLD"][st.rld] if st.rld is not None else 0
         st.mode = choose_mode(self.cfg.handoff, pending=pending, relay_load=load)
         if st.mode == "extend":

@@ -1,7 +1,14 @@
 """Routing and handoff policy: pure functions shared by the router and the cluster simulator."""
 
 from pdd.policy.balance import pick_least_loaded
-from pdd.policy.handoff import HandoffPolicy, Step, choose_mode, handoff_tokens, next_step
+from pdd.policy.handoff import (
+    HandoffPolicy,
+    Step,
+    choose_mode,
+    handoff_tokens,
+    next_step,
+    relay_finishes,
+)
 from pdd.policy.path import (
     DEFAULT_PATHS,
     LABELS,
@@ -26,6 +33,7 @@ __all__ = [
     "Step",
     "auto_path",
     "choose_mode",
+    "relay_finishes",
     "choose_path",
     "handoff_blockers",
     "handoff_tokens",

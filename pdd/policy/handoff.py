@@ -25,6 +25,10 @@ class HandoffPolicy:
     # If RLD outpaces the chunks, Catch-Up would never converge: after this many middle chunks
     # the rest goes in the final handoff, however long.
     max_chunks: int = 32
+    # When MD is ready with at most this many tokens left to produce, RLD finishes the answer
+    # itself: a handoff costs MD an extend and the client a WAN round trip, the time of a few
+    # RLD tokens. MD keeps the prompt's KV in its cache either way.
+    finish_on_relay: int = 8
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -37,6 +41,13 @@ class HandoffPolicy:
             raise ValueError(f"auto max relay load must be >= 0, got {self.auto_max_relay_load}")
         if self.max_chunks < 0:
             raise ValueError(f"max chunks must be >= 0, got {self.max_chunks}")
+        if self.finish_on_relay < 0:
+            raise ValueError(f"finish on relay must be >= 0, got {self.finish_on_relay}")
+
+
+def relay_finishes(policy: HandoffPolicy, *, left: int) -> bool:
+    """MD is ready and RLD, still decoding, has at most `left` tokens to go: no handoff."""
+    return left <= policy.finish_on_relay
 
 
 def choose_mode(policy: HandoffPolicy, *, pending: int, relay_load: int) -> Mode:

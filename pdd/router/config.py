@@ -231,6 +231,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="after this many Catch-Up chunks the rest goes in the final handoff",
     )
     add(
+        "--finish-on-relay",
+        type=int,
+        default=8,
+        help="when MD is ready with at most this many tokens left, RLD finishes the answer",
+    )
+    add(
         "--catchup-threshold",
         type=int,
         default=64,
@@ -318,6 +324,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             threshold=args.catchup_threshold,
             auto_max_relay_load=args.auto_max_relay_load,
             max_chunks=args.catchup_max_chunks,
+            finish_on_relay=args.finish_on_relay,
         ),
         timeouts=Timeouts(
             connect=args.connect_timeout,

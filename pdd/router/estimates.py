@@ -13,6 +13,9 @@ from pdd.policy.path import transfer_seconds
 ALPHA = 0.3  # weight of a new observation
 SMALL_TRANSFER = 64 << 10  # bytes: a transfer this small measures the fixed latency
 LARGE_TRANSFER = 256 << 10  # bytes: one this large measures the bandwidth
+# On P -> MD, P's estimated compute is subtracted from the time to READY; beyond this share of
+# it, the estimate's error would swamp the WAN's part.
+MAX_COMPUTE_SHARE = 0.25
 
 
 @dataclass
@@ -56,6 +59,17 @@ class WanEstimate:
             "overhead_s": None if fixed is None else round(fixed, 4),
             "samples": self.samples,
         }
+
+
+def direct_wan_seconds(total_s: float, compute_s: float | None) -> float:
+    """On P -> MD, the WAN's part of `total_s` (feeding P to MD's READY): what is left once P's
+    compute is subtracted; 0 (learn no time) when that compute is unknown or more than
+    MAX_COMPUTE_SHARE of the total. An estimate from P -> RLD's answers, fixed costs and
+    queueing included, once made a 100 Mbit/s link look twice as fast: P -> MD then got
+    prompts whose KV took seconds."""
+    if compute_s is None or compute_s > MAX_COMPUTE_SHARE * total_s:
+        return 0.0
+    return total_s - compute_s
 
 
 def wan_estimate(prior_mbit: float | None) -> WanEstimate:

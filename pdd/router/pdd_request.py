@@ -18,10 +18,11 @@ from typing import Any
 
 from pdd.control.channel import Received
 from pdd.control.messages import Ack, Cancel, Chunk, Error, Handoff, Ready, route_hint
-from pdd.policy.handoff import Step, choose_mode, handoff_tokens, next_step
+from pdd.policy.handoff import Step, choose_mode, handoff_tokens, next_step, relay_finishes
 from pdd.policy.path import LABELS
 from pdd.router.context import NoInstance, RouterContext
-from pdd.router.planner import Plan
+from pdd.router.estimates import direct_wan_seconds
+from pdd.router.planner import Plan, max_new_tokens
 from pdd.router.resume import resume_body
 from pdd.router.stitch import Kind, Phase, Stitcher
 from pdd.router.upstream import UpstreamError, abort_request, post_generate, stream_generate
@@ -515,6 +516,9 @@ class PddRequest:
         if self.md is not MdState.PENDING:
             return []
         pending = len(self.stitcher.emitted)
+        left = max_new_tokens(self.body) - pending
+        if self.relay is RelayState.RUNNING and relay_finishes(self.cfg.handoff, left=left):
+            return self._md_dead(f"RLD finishes the last {left} tokens itself", "relay_finished")
         if self.relay is RelayState.RUNNING:
             relay_load = self.ctx.loads["relay"].active[self.held["relay"]]
             mode = choose_mode(self.cfg.handoff, pending=pending, relay_load=relay_load)
@@ -535,8 +539,7 @@ class PddRequest:
             seconds = t["ready"] - t["prefill_md_sent"]
         elif "prefill_main_sent" in t:
             compute = self.ctx.prefill_speed.prefill_s(tokens)
-            if compute is not None:
-                seconds = max(t["ready"] - t["prefill_main_sent"] - compute, 0.0)
+            seconds = direct_wan_seconds(t["ready"] - t["prefill_main_sent"], compute)
         self.ctx.wan[self.held["main"]].observe(msg.wan_kv_bytes, tokens, seconds)
 
     def _on_ack(self, msg: Ack) -> list[Output]:
