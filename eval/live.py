@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -42,7 +43,7 @@ from pdd.launch.pdd_deploy import PDDDeployment
 from pdd.launch.process import exit_on_sigterm
 from pdd.launch.testbed import Testbed, add_flow_window_argument
 from pdd.launch.wan import LinkParams
-from pdd.models.kv import kv_bytes_per_token
+from pdd.models.kv import DTYPE_BYTES, kv_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -91,10 +92,12 @@ def run_pass(dep: Deployment, pdd: PDDDeployment, tb: Testbed, prompts: list[lis
         outputs[i] = list(final["output_ids"])
         return Record(len(prompts[i]), req.cached_tokens, None, len(final["output_ids"]),
                       got.ttft_s, got.total_s, meta.get("path"), meta.get("relay_tokens") or 0,
-                      meta.get("wan_kv_bytes") or 0)  # fmt: skip
+                      meta.get("wan_kv_bytes") or 0,
+                      path_reason=meta.get("path_reason"))  # fmt: skip
 
     for server in pdd.servers():  # each deployment's pass starts cold
         flush_cache(server.url)
+    router_sees_flush(pdd.url)
     before = int(tb.wan.status()["counters"]["a_to_b"]["bytes"])
     start = time.monotonic()
     pace = {"concurrency": args.concurrency} if args.rate is None else {"rate": args.rate}
@@ -112,6 +115,30 @@ def run_pass(dep: Deployment, pdd: PDDDeployment, tb: Testbed, prompts: list[lis
     return run, outputs
 
 
+def router_sees_flush(url: str, timeout_s: float = 10.0) -> None:
+    """Waits until the router's mirror of MD's cache is empty after the flush (MD's next cache
+    sync): a pass started before plans its first requests on KV that MD no longer holds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(f"{url}/status", timeout=30) as resp:
+            caches = json.loads(resp.read())["md_caches"]
+        if all(c["blocks"] == 0 for c in caches.values()):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the router still mirrors MD's cache {timeout_s:g}s after the "
+                               f"flush: {caches}")  # fmt: skip
+        time.sleep(0.1)
+
+
+def router_estimates(url: str) -> dict:
+    """What the router has learnt after a pass (its path choices rest on it): the WAN to MD,
+    RLD's time per token, P's time per prompt token."""
+    with urllib.request.urlopen(f"{url}/status", timeout=30) as resp:
+        status = json.loads(resp.read())
+    return {"wan": status["instances"]["main"][0]["wan"], "relay_tpot_s": status["relay_tpot_s"],
+            "prefill_s_per_token": status["prefill_s_per_token"]}  # fmt: skip
+
+
 def agreement(outputs: list[list[list[int] | None]]) -> list[float]:
     """Per deployment, the share of requests whose output equals the first deployment's."""
     base = outputs[0]
@@ -126,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = command_parser("pdd.eval live", __doc__)
     parser.add_argument("--model", type=Path, default=Path("models/wide"))
     parser.add_argument("--trace", type=Path, default=None, help="replay this trace instead")
-    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--requests", type=int, default=120)
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument(
         "--scale", type=float, default=0.015,
@@ -145,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deployments", default=",".join(d.name for d in DEPLOYMENTS),
                         help="comma-separated subset, in this order")  # fmt: skip
     parser.add_argument("--pool", type=int, default=None, help="KV tokens on P and MD")
-    parser.add_argument("--dtype", default="float32",
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES),
                         help="every server's; float32 so that the outputs-equal column is exact "
                              "(in bf16 a greedy near-tie can flip with the batch)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("runs/live"))
@@ -166,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     title = (
         f"{args.model.name}, {len(trace)} requests (mean hit {hits['mean_hit']:.0%}), "
         f"WAN {args.rate_mbit:.0f} Mbit/s, RTT {2 * args.delay_ms:.0f} ms, "
-        f"TCP window {args.flow_window_mb * 1024:g} KB per flow, "
+        f"TCP window {args.flow_window_mb:g} MB per flow, "
         f"SLA TTFT <= {sla.ttft_s:g}s, TPOT <= {sla.tpot_s:g}s"
     )
     print(title, flush=True)
@@ -182,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, Run] = {}
     outputs: dict[str, list[list[int] | None]] = {}
+    estimates: dict[str, dict] = {}
     try:
         for decode_cache in (False, True):
             group = [d for d in chosen if d.decode_cache == decode_cache]
@@ -198,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                 for dep in group:
                     runs[dep.name], outputs[dep.name] = run_pass(dep, pdd, tb, prompts, trace,
                                                                  args)  # fmt: skip
+                    estimates[dep.name] = router_estimates(pdd.url)
+                    print(f"[{dep.name}] router's estimates: {estimates[dep.name]}", flush=True)
             finally:
                 pdd.down()
     finally:
@@ -217,10 +247,15 @@ def main(argv: list[str] | None = None) -> int:
         "title": title,
         "args": {k: str(v) for k, v in vars(args).items()},
         "link": {"rate_mbit": args.rate_mbit, "delay_ms": args.delay_ms},
-        "model": {"name": args.model.name, "kv_bytes_per_token": kv_bytes_per_token(args.model)},
+        "model": {
+            "name": args.model.name,
+            "dtype": args.dtype,
+            "kv_bytes_per_token": kv_bytes_per_token(args.model, DTYPE_BYTES[args.dtype]),
+        },
         "trace_summary": hits,
         "summaries": summaries,
         "runs": {n: [asdict(r) for r in runs[n].records] for n in ordered},
+        "router_estimates": estimates,
     }
     (args.out / "live.json").write_text(json.dumps(data, indent=1) + "\n")
     plot_runs([runs[n] for n in ordered], sla, args.out / "live.png", title)

@@ -23,6 +23,7 @@ class Record:
     relay_tokens: int = 0
     wan_kv_bytes: int = 0
     error: str | None = None
+    path_reason: str | None = None  # why the router chose the path
 
     @property
     def ok(self) -> bool:

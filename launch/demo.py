@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     kv_kb = kv_bytes_per_token(args.model) / 1024
     title = (f"{args.model.name} ({kv_kb:.0f} KiB of KV per token), WAN {args.rate_mbit:g} Mbit/s, "
              f"RTT {2 * args.delay_ms:g} ms, "
-             f"TCP window {args.flow_window_mb * 1024:g} KB per flow")  # fmt: skip
+             f"TCP window {args.flow_window_mb:g} MB per flow")  # fmt: skip
     print(f"[demo] {title}; logs in {run_dir}", flush=True)
     tb = Testbed(
         "pdddemo",

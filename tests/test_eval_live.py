@@ -34,6 +34,10 @@ def test_a_short_live_run_reports_all_four_deployments(tiny_model: Path, tmp_pat
     assert all(r["relay_tokens"] == r["output_tokens"] for r in runs["same-DC PD"])
     assert s["same-DC PD"]["rld_share"] == 1.0 and s["naive cross-DC PD"]["rld_share"] == 0.0
     assert {r["path"] for r in runs["PDD"]} <= {"P->RLD", "P->MD", "P->RLD->MD"}
+    # The router's estimates after each pass are in the report; P -> MD taught it the KV size.
+    learnt = data["router_estimates"]["naive cross-DC PD"]["wan"]
+    assert learnt["kv_bytes_per_token"] == 1024, learnt  # tiny model, float32
+    assert data["model"]["kv_bytes_per_token"] == 1024, data["model"]  # what the servers ran
     for name in ("live.md", "live.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "| PDD |" in (tmp_path / "live.md").read_text()

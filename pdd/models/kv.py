@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# Bytes per element of the KV cache for SGLang's --dtype values (its KV follows the model's).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "half": 2, "float": 4}
+
 
 def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 2) -> int:
     """K and V of every layer for one token (standard attention; bf16 by default)."""
