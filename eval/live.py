@@ -1,6 +1,6 @@
 """Live runs on the testbed: one agentic workload through four deployments.
 
-    python -m pdd.eval live [--model models/wide] [--requests 40] [--concurrency 2 | --rate R]
+    python -m pdd.eval live [--model models/wide] [--requests 120] [--concurrency 2 | --rate R]
                             [--trace FILE] [--scale 0.015] [--max-new 32] [--rate-mbit 100]
                             [--delay-ms 20] [--ttft-sla 3] [--tpot-sla 0.5] [--dtype float32]
                             [--out runs/live]
