@@ -64,9 +64,8 @@ class WanEstimate:
 def direct_wan_seconds(total_s: float, compute_s: float | None) -> float:
     """On P -> MD, the WAN's part of `total_s` (feeding P to MD's READY): what is left once P's
     compute is subtracted; 0 (learn no time) when that compute is unknown or more than
-    MAX_COMPUTE_SHARE of the total. An estimate from P -> RLD's answers, fixed costs and
-    queueing included, once made a 100 Mbit/s link look twice as fast: P -> MD then got
-    prompts whose KV took seconds."""
+    MAX_COMPUTE_SHARE of the total. The estimate comes from P -> RLD's answers, fixed costs and
+    queueing included: where it is a large part, its error would decide the bandwidth."""
     if compute_s is None or compute_s > MAX_COMPUTE_SHARE * total_s:
         return 0.0
     return total_s - compute_s
