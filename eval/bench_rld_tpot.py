@@ -37,7 +37,7 @@ from pdd.launch.pdd_deploy import PDDDeployment
 from pdd.launch.servers import HttpService
 from pdd.launch.testbed import Testbed, add_flow_window_argument
 from pdd.launch.wan import LinkParams
-from pdd.models.kv import kv_bytes_per_token
+from pdd.models.kv import DTYPE_BYTES, kv_bytes_per_token
 
 TARGET = 1.3
 SAMPLE_S = 0.2
@@ -160,11 +160,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one-way (RTT: twice this)")
     add_flow_window_argument(parser)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES))
     parser.add_argument("--run-dir", type=Path, default=Path("runs/bench_rld_tpot"))
     args = parser.parse_args(argv)
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
-    kv = kv_bytes_per_token(args.model, 4 if args.dtype == "float32" else 2)
+    kv = kv_bytes_per_token(args.model, DTYPE_BYTES[args.dtype])
     landed_s = args.prompt * kv * 8 / (args.rate_mbit * 1e6) + 5  # MD's KV crossed by then
     tb = Testbed(
         "pddtpot",

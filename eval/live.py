@@ -115,13 +115,18 @@ def run_pass(dep: Deployment, pdd: PDDDeployment, tb: Testbed, prompts: list[lis
     return run, outputs
 
 
+def router_status(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/status", timeout=30) as resp:
+        status: dict = json.loads(resp.read())
+    return status
+
+
 def router_sees_flush(url: str, timeout_s: float = 10.0) -> None:
     """Waits until the router's mirror of MD's cache is empty after the flush (MD's next cache
     sync): a pass started before plans its first requests on KV that MD no longer holds."""
     deadline = time.monotonic() + timeout_s
     while True:
-        with urllib.request.urlopen(f"{url}/status", timeout=30) as resp:
-            caches = json.loads(resp.read())["md_caches"]
+        caches = router_status(url)["md_caches"]
         if all(c["blocks"] == 0 for c in caches.values()):
             return
         if time.monotonic() > deadline:
@@ -133,8 +138,7 @@ def router_sees_flush(url: str, timeout_s: float = 10.0) -> None:
 def router_estimates(url: str) -> dict:
     """What the router has learnt after a pass (its path choices rest on it): the WAN to MD,
     RLD's time per token, P's time per prompt token."""
-    with urllib.request.urlopen(f"{url}/status", timeout=30) as resp:
-        status = json.loads(resp.read())
+    status = router_status(url)
     return {"wan": status["instances"]["main"][0]["wan"], "relay_tpot_s": status["relay_tpot_s"],
             "prefill_s_per_token": status["prefill_s_per_token"]}  # fmt: skip
 

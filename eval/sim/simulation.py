@@ -195,10 +195,7 @@ class Simulation:
         self._release_relay(st)
         st.tokens["RLD"] = slot.target - 1
         self._finish(st, now)
-        if st.md is not None:  # MD is cancelled; it keeps the prompt's KV in its cache
-            if st.md_slot is not None:
-                self.md[st.md].release(st.md_slot)
-            self._release_main(st)
+        self._cancel_main(st)
 
     def _observe_relay(self, st: RequestState, tokens: int) -> None:
         if math.isfinite(st.first_s):
@@ -208,6 +205,13 @@ class Simulation:
         if st.rld is not None and not st.relay_stopped:
             st.relay_stopped = True
             self.load["RLD"][st.rld] -= 1
+
+    def _cancel_main(self, st: RequestState) -> None:
+        """RLD answers alone: MD is cancelled and keeps the prompt's KV in its cache."""
+        if st.md is not None:
+            if st.md_slot is not None:
+                self.md[st.md].release(st.md_slot)
+            self._release_main(st)
 
     def _release_main(self, st: RequestState) -> None:
         if st.md is not None:
@@ -251,13 +255,9 @@ class Simulation:
         suffix = st.req.prompt_tokens - st.md_hit
         self.wan_est[st.md].observe(int(st.wan_bytes), suffix, now - st.wan_sent_s)
         pending = self._available(st)
-        slot = st.rld_slot
-        relay_running = slot is not None and slot.running and slot.active
         left = st.req.output_tokens - pending
-        if relay_running and relay_finishes(self.cfg.handoff, left=left):
-            if st.md_slot is not None:  # cancelled; MD keeps the prompt's KV in its cache
-                self.md[st.md].release(st.md_slot)
-            self._release_main(st)
+        if self._relay_running(st) and relay_finishes(self.cfg.handoff, left=left):
+            self._cancel_main(st)
             return
         load = self.load["RLD"][st.rld] if st.rld is not None else 0
         st.mode = choose_mode(self.cfg.handoff, pending=pending, relay_load=load)
@@ -273,8 +273,12 @@ class Simulation:
             return 0
         return self.rld[st.rld].visible(slot)
 
+    def _relay_running(self, st: RequestState) -> bool:
+        slot = st.rld_slot
+        return slot is not None and slot.running and slot.active
+
     def _catchup(self, st: RequestState) -> None:
-        relay_running = st.rld_slot is not None and st.rld_slot.running and st.rld_slot.active
+        relay_running = self._relay_running(st)
         step = next_step(self.cfg.handoff, done=st.md_done, available=self._available(st),
                          chunks_sent=st.chunks)  # fmt: skip
         if step.final or not relay_running:
