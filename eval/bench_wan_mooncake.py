@@ -304,9 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         if not all(1 <= n <= MAX_FLOWS for n in counts):
             raise SystemExit(f"--flows: each must be in 1-{MAX_FLOWS}")
         link = LinkParams(args.rate_mbit, args.delay_ms)
-        tb = Testbed(
-            args.name, link, args.mtu, net=args.net, flow_window_mb=args.flow_window_mb
-        )
+        tb = Testbed(args.name, link, args.mtu, net=args.net, flow_window_mb=args.flow_window_mb)
         tb.down()  # whatever a crashed earlier run left
         tb.up()
         try:
