@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pdd.policy.balance import pick_by_prefix, pick_least_loaded
@@ -89,6 +91,31 @@ def test_wan_estimate_learns_latency_and_bandwidth() -> None:
     assert est.to_dict()["mbit_per_s"] == pytest.approx(100, rel=0.05)
     assert est.transfer_s(100) == pytest.approx(0.05 + 3.2e6 / 12.5e6, rel=0.05)
     assert wan_estimate(400).to_dict()["mbit_per_s"] == pytest.approx(400)
+
+
+def test_wan_estimate_separates_fixed_costs_from_bandwidth_without_small_transfers() -> None:
+    # As live traffic teaches it: no transfer under 0.5 MB, each with ~1 s that does not grow
+    # with its size (P's queue, MD's bootstrap), times jittered +-10%, 100 Mbit/s underneath.
+    rng = random.Random(7)
+    est = wan_estimate(None)
+    for _ in range(40):
+        nbytes = rng.randint(500_000, 5_000_000)
+        est.observe(nbytes, nbytes // 32_000, (1.0 + nbytes / 12.5e6) * rng.uniform(0.9, 1.1))
+    assert est.to_dict()["mbit_per_s"] == pytest.approx(100, rel=0.15)
+    assert est.overhead_s == pytest.approx(1.0, rel=0.3)
+
+
+def test_wan_estimate_of_one_transfer_size_predicts_that_size() -> None:
+    est = wan_estimate(None)
+    for _ in range(5):
+        est.observe(3_200_000, 100, 0.5 + 3.2e6 / 12.5e6)  # fixed and per-byte parts inseparable
+    assert est.overhead_s == 0.0
+    assert est.transfer_s(100) == pytest.approx(0.5 + 3.2e6 / 12.5e6)
+    cached = wan_estimate(None)
+    for _ in range(3):
+        cached.observe(0, 0, 0.2)  # fully cached prompts: only the fixed cost
+    assert cached.overhead_s == pytest.approx(0.2)
+    assert cached.bytes_per_s is None
 
 
 def test_p_to_md_teaches_the_wan_only_when_ps_compute_is_a_small_part() -> None:

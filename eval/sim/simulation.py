@@ -90,7 +90,7 @@ class Simulation:
         if c.warm_estimates:
             for est in self.wan_est:
                 est.kv_bytes_per_token = c.model.kv_bytes_per_token
-                est.bytes_per_s.add(c.link.flow_bytes_per_s)
+                est.bytes_per_s = c.link.flow_bytes_per_s
             if self.rld:
                 self.relay_speed.tpot_s.add(self.rld[0].costs.decode_step_s(1, 0))
         self.states: list[RequestState] = []

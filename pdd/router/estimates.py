@@ -1,18 +1,21 @@
 """What the router learns from traffic to predict a path's cost: per MD, the KV bytes per token
 and the WAN's bandwidth and fixed latency (from each READY: KV bytes and the time from feeding
 MD to READY, less P's compute on P -> MD); P's prefill time per token and RLD's time per output
-token (from their answers and streams). Moving averages, so estimates follow a WAN that
-changes."""
+token (from their answers and streams). Recent observations weigh most, so estimates follow a
+WAN that changes."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from pdd.policy.path import transfer_seconds
 
 ALPHA = 0.3  # weight of a new observation
-SMALL_TRANSFER = 64 << 10  # bytes: a transfer this small measures the fixed latency
-LARGE_TRANSFER = 256 << 10  # bytes: one this large measures the bandwidth
+WINDOW = 32  # the WAN fit weighs this many recent transfers
+# The fit separates the fixed latency from the bandwidth only over transfers of different sizes:
+# the largest at least this many times the smallest (a zero-byte READY counts as smallest).
+MIN_SPREAD = 2.0
 # On P -> MD, P's estimated compute is subtracted from the time to READY; beyond this share of
 # it, the estimate's error would swamp the WAN's part.
 MAX_COMPUTE_SHARE = 0.25
@@ -28,12 +31,23 @@ class Ewma:
 
 @dataclass
 class WanEstimate:
-    """One MD's link: transfer time = overhead + bytes / bandwidth."""
+    """One MD's link: transfer time = overhead + bytes / bandwidth, a least-squares fit over the
+    last WINDOW transfers, each weighing (1 - ALPHA) times the next newer one. Any time a
+    transfer spends that does not grow with its size (queueing on P, MD's bootstrap, the round
+    trips) lands in the overhead, not in the bandwidth, once sizes vary; until they do, the
+    overhead is taken as 0, so the bandwidth is an underestimate that predicts transfers of the
+    sizes seen."""
 
     kv_bytes_per_token: float | None = None
-    bytes_per_s: Ewma = field(default_factory=Ewma)
-    overhead_s: Ewma = field(default_factory=Ewma)
+    prior_bytes_per_s: float | None = None  # used until a transfer was seen
+    bytes_per_s: float | None = None
+    overhead_s: float = 0.0
     samples: int = 0
+    recent: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
+
+    def __post_init__(self) -> None:
+        if self.bytes_per_s is None:
+            self.bytes_per_s = self.prior_bytes_per_s
 
     def observe(self, kv_bytes: int, kv_tokens: int, seconds: float) -> None:
         if kv_tokens > 0 and kv_bytes > 0:
@@ -41,22 +55,44 @@ class WanEstimate:
         if seconds <= 0:
             return
         self.samples += 1
-        if kv_bytes <= SMALL_TRANSFER:
-            self.overhead_s.add(seconds)
-        elif kv_bytes >= LARGE_TRANSFER:
-            fixed = min(self.overhead_s.value or 0.0, 0.8 * seconds)
-            self.bytes_per_s.add(kv_bytes / (seconds - fixed))
+        self.recent.append((max(kv_bytes, 0), seconds))
+        self._fit()
+
+    def _fit(self) -> None:
+        n = len(self.recent)
+        w = [(1 - ALPHA) ** (n - 1 - i) for i in range(n)]
+        x = [float(b) for b, _ in self.recent]
+        y = [t for _, t in self.recent]
+        overhead = 0.0
+        if max(x) == 0:  # only fully cached prompts so far: their time is all fixed cost
+            self.overhead_s = sum(wi * yi for wi, yi in zip(w, y, strict=True)) / sum(w)
+            return
+        if n >= 3 and max(x) >= MIN_SPREAD * min(x):
+            sw = sum(w)
+            mx = sum(wi * xi for wi, xi in zip(w, x, strict=True)) / sw
+            my = sum(wi * yi for wi, yi in zip(w, y, strict=True)) / sw
+            sxx = sum(wi * (xi - mx) ** 2 for wi, xi in zip(w, x, strict=True))
+            sxy = sum(wi * (xi - mx) * (yi - my) for wi, xi, yi in zip(w, x, y, strict=True))
+            if sxx > 0 and sxy > 0:
+                # No transfer takes less than the fixed part; none takes a negative one.
+                overhead = min(max(my - sxy / sxx * mx, 0.0), min(y))
+        # The slope that fits best given that overhead (the least-squares one when unclamped).
+        sxx0 = sum(wi * xi * xi for wi, xi in zip(w, x, strict=True))
+        sxy0 = sum(wi * xi * (yi - overhead) for wi, xi, yi in zip(w, x, y, strict=True))
+        self.overhead_s = overhead
+        if sxx0 > 0 and sxy0 > 0:
+            self.bytes_per_s = sxx0 / sxy0
 
     def transfer_s(self, suffix_tokens: int) -> float | None:
-        return transfer_seconds(suffix_tokens, self.kv_bytes_per_token, self.bytes_per_s.value,
-                                self.overhead_s.value or 0.0)  # fmt: skip
+        return transfer_seconds(suffix_tokens, self.kv_bytes_per_token, self.bytes_per_s,
+                                self.overhead_s)  # fmt: skip
 
     def to_dict(self) -> dict[str, float | int | None]:
-        bw, fixed = self.bytes_per_s.value, self.overhead_s.value
+        bw = self.bytes_per_s
         return {
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "mbit_per_s": None if bw is None else round(bw * 8 / 1e6, 3),
-            "overhead_s": None if fixed is None else round(fixed, 4),
+            "overhead_s": round(self.overhead_s, 4),
             "samples": self.samples,
         }
 
@@ -72,10 +108,7 @@ def direct_wan_seconds(total_s: float, compute_s: float | None) -> float:
 
 
 def wan_estimate(prior_mbit: float | None) -> WanEstimate:
-    est = WanEstimate()
-    if prior_mbit:
-        est.bytes_per_s.add(prior_mbit * 1e6 / 8)
-    return est
+    return WanEstimate(prior_bytes_per_s=prior_mbit * 1e6 / 8 if prior_mbit else None)
 
 
 @dataclass
