@@ -32,13 +32,14 @@ import zmq
 
 from pdd.control.channel import ControlSocket
 from pdd.control.messages import Handoff, Ready, encode, route_hint
+from pdd.control.secret import read_secret
 from pdd.eval.bench_wan_mooncake import transfer
 from pdd.eval.client import stream_generate
 from pdd.eval.prompts import random_ids
 from pdd.launch.cli import command_parser
 from pdd.launch.pd_local import generate
 from pdd.launch.process import exit_on_sigterm, free_port, stop_groups
-from pdd.launch.servers import SGLangServer
+from pdd.launch.servers import SGLangServer, control_secret_file
 from pdd.launch.testbed import Testbed, add_flow_window_argument
 from pdd.launch.wan import LinkParams
 from pdd.models.kv import kv_bytes_per_token
@@ -73,9 +74,9 @@ class Method:
 
 
 def drive(prefill_url: str, bootstrap_port: int, main_url: str, main_control: str, ip: str,
-          tokens: int, rounds: int) -> None:  # fmt: skip
+          tokens: int, rounds: int, secret: bytes | None) -> None:  # fmt: skip
     """Parks a request on MD, hands `tokens` tokens over, times MD's answer; `rounds` times."""
-    control = ControlSocket()
+    control = ControlSocket(secret)
     reply_to = control.bind(f"tcp://{ip}:{free_port()}")
     vocab = 1000
     for i in range(rounds):
@@ -131,6 +132,8 @@ def recompute(tb: Testbed, model: Path, run_dir: Path, tokens: int, rounds: int)
                 "--bootstrap-port", str(prefill.bootstrap_port), "--main-url", main.url,
                 "--main-control", f"tcp://{main.host}:{control_port}", "--ip", tb.ip("a"),
                 "--tokens", str(tokens), "--rounds", str(rounds)]  # fmt: skip
+        secret = control_secret_file(main)
+        argv += [] if secret is None else ["--secret-file", secret]
         proc = tb.popen("a", argv, stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None
         seconds, nbytes = [], 0
@@ -181,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     dr.add_argument("--main-url", required=True)
     dr.add_argument("--main-control", required=True)
     dr.add_argument("--ip", required=True)
+    dr.add_argument("--secret-file", default=None, help="MD's control-plane secret")
     for p in (parser, dr):
         p.add_argument("--tokens", type=int, default=100)
         p.add_argument("--rounds", type=int, default=20)
@@ -193,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.role == "drive":
         drive(args.prefill_url, args.bootstrap_port, args.main_url, args.main_control, args.ip,
-              args.tokens, args.rounds)  # fmt: skip
+              args.tokens, args.rounds, read_secret(args.secret_file))  # fmt: skip
         return
     exit_on_sigterm()
     nbytes = args.tokens * kv_bytes_per_token(args.model)

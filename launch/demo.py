@@ -17,10 +17,12 @@ the share of the line it carries in production.
 
 from __future__ import annotations
 
+import json
+import os
 import pydoc_data.topics
 import statistics
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pdd.eval.client import stream_generate
@@ -57,6 +59,7 @@ class Turn:
     main_tokens: int
     handoff: str | None
     answer: str
+    pdd: dict  # the router's meta_info["pdd"]: path, timings, WAN bytes
 
 
 @dataclass
@@ -84,7 +87,7 @@ def run_session(url: str, tokenizer: object, key: str, turns: int, max_new: int)
         answer = final["text"].strip()
         messages.append({"role": "assistant", "content": answer})
         turn = Turn(len(ids), got.ttft_s or got.total_s, got.total_s, meta["relay_tokens"],
-                    meta["main_tokens"], meta["handoff_mode"], answer)  # fmt: skip
+                    meta["main_tokens"], meta["handoff_mode"], answer, meta)  # fmt: skip
         session.turns.append(turn)
         print(f"[{label}] turn {len(session.turns)}: {turn.context_tokens} context tokens, "
               f"TTFT {turn.ttft_s:.2f}s, total {turn.total_s:.2f}s, tokens from RLD "
@@ -146,8 +149,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rate-mbit", type=float, default=10.0)
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one way")
     add_flow_window_argument(parser)
+    parser.add_argument(
+        "--prefill-threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads of P (default: every core; P computes alone, between turns)",
+    )
+    parser.add_argument(
+        "--decode-threads",
+        type=int,
+        default=1,
+        help="torch threads of RLD and of MD (default 1: each decoder has a core to itself, "
+        "as each has its own chip in production; more make them fight over these cores, "
+        "which costs each far more than the extra thread gains)",
+    )
     parser.add_argument("--run-dir", type=Path, default=None, help="logs (default: a temp dir)")
     args = parser.parse_args(argv)
+    if min(args.prefill_threads, args.decode_threads) < 1:
+        parser.error("--prefill-threads and --decode-threads must be at least 1")
     exit_on_sigterm()
     from transformers import AutoTokenizer
 
@@ -156,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     kv_kb = kv_bytes_per_token(args.model) / 1024
     title = (f"{args.model.name} ({kv_kb:.0f} KiB of KV per token), WAN {args.rate_mbit:g} Mbit/s, "
              f"RTT {2 * args.delay_ms:g} ms, "
-             f"TCP window {args.flow_window_mb:g} MB per flow")  # fmt: skip
+             f"TCP window {args.flow_window_mb:g} MB per flow, "
+             f"threads: P {args.prefill_threads}, RLD and MD {args.decode_threads}")  # fmt: skip
     print(f"[demo] {title}; logs in {run_dir}", flush=True)
     tb = Testbed(
         "pdddemo",
@@ -167,8 +187,11 @@ def main(argv: list[str] | None = None) -> None:
     tb.down()
     tb.up()
     # Both sessions share MD; its decode-side cache would make the naive path less naive.
+    threads = {"prefill": args.prefill_threads, "relay": args.decode_threads,
+               "main": args.decode_threads}  # fmt: skip
+    env = {role: {"OMP_NUM_THREADS": str(n)} for role, n in threads.items()}
     pdd = PDDDeployment.create(args.model, run_dir, tb.placement("a"), tb.placement("b"),
-                               decode_cache=False)  # fmt: skip
+                               decode_cache=False, server_env=env)  # fmt: skip
     try:
         print("[demo] starting P + RelayDecode in datacenter A, MainDecode in B, router in A",
               flush=True)  # fmt: skip
@@ -180,6 +203,9 @@ def main(argv: list[str] | None = None) -> None:
         tb.down()
         print("[demo] stopped every server and removed the testbed", flush=True)
     print(f"\n{title}\n{summary(sessions)}")
+    record = run_dir / "demo.json"
+    record.write_text(json.dumps([asdict(s) for s in sessions], indent=1))
+    print(f"each turn's record (the router's timings and WAN bytes): {record}")
     png = run_dir / "demo_ttft.png"
     plot(sessions, png, title)
     print(f"plot: {png}")

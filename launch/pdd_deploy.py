@@ -36,22 +36,27 @@ class PDDDeployment:
         prefill_args: tuple[str, ...] = (),
         path: str | None = None,
         server_args: tuple[str, ...] = (),
+        server_env: dict[str, dict[str, str]] | None = None,
     ) -> PDDDeployment:
         """`a` and `b` place the two datacenters (e.g. `Testbed.placement("a")`). With
         `decode_cache`, MD keeps a radix tree of the KV it holds (SGLang's decode radix cache),
-        so only the prompt suffix it lacks crosses the WAN. `server_args` go to P, RLD and MD."""
+        so only the prompt suffix it lacks crosses the WAN. `server_args` go to P, RLD and MD,
+        `server_env["prefill" | "relay" | "main"]` into that server's environment."""
+        given = server_env or {}
+        env = {role: dict(given.get(role, {})) for role in ("prefill", "relay", "main")}
         if decode_cache:
             main_args = (DECODE_CACHE_FLAG, *main_args)
         prefill = SGLangServer(
             "prefill", model, free_port(), run_dir, a, mode="prefill", bootstrap_port=free_port(),
-            extra_args=["--pdd-role", "prefill", *server_args, *prefill_args],
+            extra_args=["--pdd-role", "prefill", *server_args, *prefill_args], env=env["prefill"],
         )  # fmt: skip
         relay = SGLangServer("relay", model, free_port(), run_dir, a, mode="decode",
-                             extra_args=["--pdd-role", "relay", *server_args])  # fmt: skip
+                             extra_args=["--pdd-role", "relay", *server_args],
+                             env=env["relay"])  # fmt: skip
         main = SGLangServer(
             "main", model, free_port(), run_dir, b, mode="decode",
             extra_args=["--pdd-role", "main", "--pdd-control-port", str(free_port()),
-                        *server_args, *main_args],
+                        *server_args, *main_args], env=env["main"],
         )  # fmt: skip
         router = RouterService("router", free_port(), run_dir, [prefill], [relay], [main], a,
                                path=path, extra_args=list(router_args))  # fmt: skip

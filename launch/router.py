@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdd.control.secret import ENV_SECRET, is_loopback, write_secret
 from pdd.launch.process import ManagedProcess, free_port
-from pdd.launch.servers import LOCAL, HttpService, Placement, SGLangServer
+from pdd.launch.servers import (
+    LOCAL,
+    SECRET_FILE,
+    HttpService,
+    Placement,
+    SGLangServer,
+    control_secret_file,
+)
 
 CONTROL_PORT_FLAG = "--pdd-control-port"
 
@@ -66,7 +75,20 @@ class RouterService(HttpService):
         ]  # fmt: skip
         if self.control_advertise:
             argv += ["--control-advertise", self.control_advertise]
-        return [*self.placement.prefix, *argv, *self.extra_args]
+        return [*self.placement.prefix, *argv, *self.secret_args(), *self.extra_args]
+
+    def secret_args(self) -> list[str]:
+        """The secret of the MainDecode servers' control sockets, which the router's own needs
+        too beyond loopback (the run directory's, as `SGLangServer.secret_args` makes it)."""
+        if "--secret-file" in self.extra_args or os.environ.get(ENV_SECRET):
+            return []
+        for m in self.main:
+            secret = control_secret_file(m)
+            if secret is not None:
+                return ["--secret-file", secret]
+        if is_loopback(self.control_host or self.host):
+            return []
+        return ["--secret-file", str(write_secret(self.log_dir / SECRET_FILE))]
 
     def start(self) -> None:
         self.launch(self.argv())

@@ -9,6 +9,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdd.control.secret import ENV_SECRET, is_loopback, write_secret
 from pdd.launch.process import ManagedProcess
 from pdd.srt.cpu_support import has_gpu
 
@@ -31,6 +32,16 @@ class Placement:
 
 
 LOCAL = Placement()
+
+
+SECRET_FLAG = "--pdd-secret-file"
+SECRET_FILE = "control.secret"
+
+
+def control_secret_file(server: SGLangServer) -> str | None:
+    """The secret file of a MainDecode server's control socket, if it has one."""
+    args = server.argv()
+    return args[args.index(SECRET_FLAG) + 1] if SECRET_FLAG in args else None
 
 
 def device_env() -> dict[str, str]:
@@ -102,7 +113,17 @@ class SGLangServer(HttpService):
         dtype = os.environ.get(DTYPE_ENV)
         if dtype and "--dtype" not in self.extra_args:
             argv += ["--dtype", dtype]
-        return argv + self.extra_args
+        return argv + self.extra_args + self.secret_args()
+
+    def secret_args(self) -> list[str]:
+        """MainDecode's control socket binds its --host, which beyond loopback needs a secret:
+        one per run directory, which the router of these servers uses too."""
+        args = self.extra_args
+        if "--pdd-role" not in args or args[args.index("--pdd-role") + 1] != "main":
+            return []
+        if SECRET_FLAG in args or is_loopback(self.host) or os.environ.get(ENV_SECRET):
+            return []
+        return [SECRET_FLAG, str(write_secret(self.log_dir / SECRET_FILE))]
 
     def server_info(self) -> dict[str, object]:
         """The running server's settings, as SGLang resolved them (`/server_info`)."""

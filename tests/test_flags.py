@@ -140,3 +140,32 @@ def test_another_sglang_version_is_named_at_start_up(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.5.99")
     with pytest.raises(SystemExit, match=r"pdd needs sglang==0.5.23, but 0.5.99 is installed"):
         hooks.check_startup("here")
+
+
+MAIN = ("--pdd-role", "main", "--disaggregation-mode", "decode", "--pdd-control-port", "31000")
+
+
+def public(*argv: str) -> argparse.Namespace:
+    args = parse(*MAIN, *argv)
+    args.host = "10.0.0.2"  # SGLang's --host: MD's control socket binds it unless told otherwise
+    return args
+
+
+def test_md_refuses_an_unauthenticated_control_socket_beyond_loopback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv(ENV_SECRET, raising=False)
+    assert config_from_args(parse(*MAIN)).control_host == "127.0.0.1"
+    with pytest.raises(SystemExit, match="binds 10.0.0.2.*--pdd-secret-file.*-insecure"):
+        config_from_args(public())
+    with pytest.raises(SystemExit, match="binds 0.0.0.0"):
+        config_from_args(parse(*MAIN, "--pdd-control-host", "0.0.0.0"))
+    assert config_from_args(public("--pdd-control-insecure")).control_host == "10.0.0.2"
+    assert "without a secret (--pdd-control-insecure)" in caplog.text
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret")
+    secret.chmod(0o644)
+    assert config_from_args(public("--pdd-secret-file", str(secret))).secret() == b"s3cret"
+    assert "readable by others (mode 644): chmod 600" in caplog.text
+    monkeypatch.setenv(ENV_SECRET, "from-env")
+    assert config_from_args(public()).control_host == "10.0.0.2"

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from pdd.control.secret import ENV_SECRET
 from pdd.router.config import build_parser, config_from_args
 from pdd.router.pdd_request import _pace
 
@@ -52,3 +53,14 @@ def test_pace_holds_a_chunk_until_its_tokens_are_due() -> None:
 
     assert asyncio.run(held(4)) >= 0.2
     assert asyncio.run(held(None)) < 0.05  # no token count: passed on at once
+
+
+def test_router_refuses_an_unauthenticated_control_socket_beyond_loopback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(ENV_SECRET, raising=False)
+    with pytest.raises(ValueError, match="binds 10.0.0.1.*--secret-file.*--control-insecure"):
+        config_from_args(parse("--control-host", "10.0.0.1"))
+    assert config_from_args(parse("--control-host", "10.0.0.1", "--control-insecure")).path
+    monkeypatch.setenv(ENV_SECRET, "s")
+    assert config_from_args(parse("--control-host", "10.0.0.1")).secret == b"s"

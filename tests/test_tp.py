@@ -15,12 +15,13 @@ import pytest
 
 from pdd.control.channel import ControlSocket
 from pdd.control.messages import Handoff
+from pdd.control.secret import read_secret
 from pdd.eval.client import flush_cache, stream_generate
 from pdd.launch.pd_local import generate
 from pdd.launch.pdd_deploy import PDDDeployment
 from pdd.launch.process import free_port, stop_groups
 from pdd.launch.router import RouterService
-from pdd.launch.servers import SGLangServer
+from pdd.launch.servers import SGLangServer, control_secret_file
 from pdd.launch.testbed import Testbed
 from pdd.launch.wan import LinkParams
 from tests import test_main_decode as md_harness
@@ -148,7 +149,7 @@ def test_eight_handoffs_ready_together_run_as_one_extend_forward_on_every_rank(
     """The test plays the router on MD's control plane (as tests/test_main_decode.py does):
     eight requests park on MD, then their HANDOFFs arrive together."""
     main = setup.pdd.main
-    control = ControlSocket()
+    control = ControlSocket(read_secret(control_secret_file(main)))
     reply_to = control.bind(f"tcp://{setup.tb.host_ip('b')}:{free_port()}")
     dep = md_harness.Deployment(setup.pdd.prefill, main, setup.colocated, control, reply_to)
     try:

@@ -19,14 +19,19 @@ from aiohttp import web
 
 from pdd.control.channel import AsyncControlSocket
 from pdd.policy.path import handoff_blockers
-from pdd.router.body import BadRequest, GenerateRequest, parse_generate
+from pdd.router.body import BadRequest, GenerateRequest, Limits, parse_generate
 from pdd.router.config import RouterConfig
 from pdd.router.context import NoInstance, RouterContext
 from pdd.router.openai_api import NO_TOKENIZER, OpenAIError, OpenAIRequest, ServedModel, error_body
 from pdd.router.pdd_request import PddRequest
 from pdd.router.planner import plan
 from pdd.router.sse import DONE, encode_event
-from pdd.router.tokenizer import default_max_prompt_tokens, default_model_name, load_tokenizer
+from pdd.router.tokenizer import (
+    default_max_prompt_tokens,
+    default_model_name,
+    load_tokenizer,
+    model_limits,
+)
 from pdd.router.upstream import UpstreamError
 
 logger = logging.getLogger(__name__)
@@ -198,7 +203,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         ctx.metrics.inc("errors_total", kind="bad_request")
         return error_response(400, f"malformed JSON: {err}")
     try:
-        parsed = parse_generate(body)
+        served = request.app.get(OPENAI)
+        parsed = parse_generate(body, Limits() if served is None else served.limits)
     except BadRequest as err:
         ctx.metrics.inc("errors_total", kind="bad_request")
         return error_response(400, str(err))
@@ -254,6 +260,7 @@ def served_model(config: RouterConfig) -> ServedModel:
         name=config.served_model_name or default_model_name(path),
         max_prompt_tokens=config.max_prompt_tokens or default_max_prompt_tokens(path),
         tokenizer=load_tokenizer(path),
+        limits=model_limits(path),
     )
 
 

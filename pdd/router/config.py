@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pdd.control.secret import ENV_SECRET, read_secret
+from pdd.control.secret import ENV_SECRET, bind_problem, read_secret, warn_if_readable
 from pdd.policy.handoff import MODES, HandoffPolicy
 from pdd.policy.path import DEFAULT_PATHS, PathPolicy
 from pdd.router.tokenizer import check_tokenizer_dir
@@ -85,6 +85,7 @@ class RouterConfig:
     handoff: HandoffPolicy = field(default_factory=HandoffPolicy)
     timeouts: Timeouts = field(default_factory=Timeouts)
     secret: bytes | None = None
+    control_insecure: bool = False  # allow an unauthenticated control socket beyond loopback
     # The OpenAI endpoints (/v1/...): the router tokenizes their prompts itself. The name and
     # the prompt limit default to the tokenizer directory's name and its config.json.
     tokenizer: Path | None = None
@@ -110,6 +111,10 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not self.prefill:
             raise ValueError("at least one --prefill instance is needed")
+        flags = ("--secret-file", "--control-insecure")
+        problem = bind_problem(self.control_host, self.secret, self.control_insecure, flags)
+        if problem:
+            raise ValueError(problem)
         if self.max_active < 1:
             raise ValueError("--max-active must be at least 1")
         name, limit = self.served_model_name, self.max_prompt_tokens
@@ -262,7 +267,14 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--secret-file",
         type=Path,
         default=None,
-        help=f"the control-plane HMAC secret (else ${ENV_SECRET}; unset: unsigned messages)",
+        help=f"the control-plane HMAC secret (else ${ENV_SECRET}; unset: unsigned messages, "
+        "allowed only on a loopback --control-host or with --control-insecure)",
+    )
+    add(
+        "--control-insecure",
+        action="store_true",
+        help="allow an unauthenticated control socket on a non-loopback --control-host "
+        "(anyone who reaches it can forge READYs and ACKs); a warning is logged",
     )
     add(
         "--tokenizer",
@@ -306,6 +318,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    warn_if_readable(args.secret_file)
     return RouterConfig(
         prefill=tuple(
             PrefillTarget(_check_url(u), _port(p, "bootstrap port")) for u, p in args.prefill
@@ -334,6 +347,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             request=args.request_timeout,
         ),
         secret=read_secret(args.secret_file),
+        control_insecure=args.control_insecure,
         tokenizer=_tokenizer_dir(args.tokenizer),
         served_model_name=args.served_model_name,
         max_prompt_tokens=args.max_prompt_tokens,

@@ -11,7 +11,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pdd.router.body import PATH_FIELD, BadRequest, GenerateRequest, is_token, parse_generate
+from pdd.router.body import (
+    PATH_FIELD,
+    BadRequest,
+    GenerateRequest,
+    Limits,
+    is_token,
+    parse_generate,
+)
 from pdd.router.tokenizer import TokenizerError
 
 CHAT = "chat"
@@ -200,6 +207,7 @@ class ServedModel:
     name: str
     max_prompt_tokens: int
     tokenizer: Tokenizer
+    limits: Limits = Limits()
     created: int = field(default_factory=lambda: int(time.time()))
 
     def models(self) -> dict[str, Any]:
@@ -267,7 +275,7 @@ class ServedModel:
         if body.get(PATH_FIELD) is not None:
             native[PATH_FIELD] = body[PATH_FIELD]
         try:
-            parsed = parse_generate(native)
+            parsed = parse_generate(native, self.limits)
         except BadRequest as err:
             raise _bad(str(err)) from err
         return OpenAIRequest(parsed, kind, self.name, len(ids), include_usage)

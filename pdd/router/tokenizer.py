@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdd.router.body import Limits
+
 # Files that make a directory loadable by AutoTokenizer (fast, slow or sentencepiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DEFAULT_MAX_PROMPT_TOKENS = 32768
@@ -34,16 +36,27 @@ def default_model_name(path: Path) -> str:
     return path.resolve().name
 
 
-def default_max_prompt_tokens(path: Path) -> int:
-    """The model's context length (max_position_embeddings in config.json), else 32768."""
+def _config_int(path: Path, key: str) -> int | None:
+    """A positive integer from the model directory's config.json, or None."""
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
-        return DEFAULT_MAX_PROMPT_TOKENS
-    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+        return None
+    value = config.get(key) if isinstance(config, dict) else None
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
-    return DEFAULT_MAX_PROMPT_TOKENS
+    return None
+
+
+def default_max_prompt_tokens(path: Path) -> int:
+    """The model's context length (max_position_embeddings in config.json), else 32768."""
+    return _config_int(path, "max_position_embeddings") or DEFAULT_MAX_PROMPT_TOKENS
+
+
+def model_limits(path: Path) -> Limits:
+    """The vocabulary and context window of the model whose directory `path` is; each None
+    where its config.json does not say."""
+    return Limits(_config_int(path, "vocab_size"), _config_int(path, "max_position_embeddings"))
 
 
 def to_token_ids(value: Any) -> list[int]:

@@ -16,7 +16,7 @@ from typing import Any
 from sglang.srt.plugins.hook_registry import HookType
 
 from pdd.control.messages import MAX_BLOCK
-from pdd.control.secret import ENV_SECRET, read_secret
+from pdd.control.secret import ENV_SECRET, bind_problem, read_secret, warn_if_readable
 from pdd.srt.cpu_disagg import adjust_cpu_args
 from pdd.srt.cpu_support import has_gpu, triton_interpreted
 from pdd.srt.cpu_tp import adjust_cpu_tp_args
@@ -46,7 +46,7 @@ DEFAULT_CACHE_BLOCK = 16
 @dataclass(frozen=True)
 class PddConfig:
     role: str | None = None
-    control_host: str = "0.0.0.0"
+    control_host: str = "127.0.0.1"  # SGLang's default --host
     control_port: int | None = None
     park_timeout_s: float = DEFAULT_PARK_TIMEOUT_S
     secret_file: str | None = None
@@ -109,8 +109,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--pdd-control-host",
-        default=PddConfig.control_host,
-        help="MainDecode: address the control-plane socket binds to (default: all).",
+        default=None,
+        help="MainDecode: address the control-plane socket binds to (default: the server's "
+        "--host). Beyond loopback it needs --pdd-secret-file or --pdd-control-insecure.",
+    )
+    group.add_argument(
+        "--pdd-control-insecure",
+        action="store_true",
+        help="MainDecode: allow an unauthenticated control socket on a non-loopback address "
+        "(anyone who reaches it can send handoffs and cancels); a warning is logged.",
     )
     group.add_argument(
         "--pdd-park-timeout",
@@ -179,6 +186,15 @@ def config_from_args(args: argparse.Namespace) -> PddConfig:
     secret_file = getattr(args, "pdd_secret_file", None)
     if secret_file is not None and not os.path.isfile(secret_file):
         raise SystemExit(f"error: --pdd-secret-file {secret_file} does not exist")
+    control_host = getattr(args, "pdd_control_host", None) or getattr(args, "host", None)
+    control_host = control_host or PddConfig.control_host
+    if role == "main":
+        warn_if_readable(secret_file)
+        insecure = bool(getattr(args, "pdd_control_insecure", False))
+        flags = ("--pdd-secret-file", "--pdd-control-insecure")
+        problem = bind_problem(control_host, read_secret(secret_file), insecure, flags)
+        if problem:
+            raise SystemExit(f"error: {problem}")
     cache_block = getattr(args, "pdd_cache_block", DEFAULT_CACHE_BLOCK)
     if not 1 <= cache_block <= MAX_BLOCK:
         raise SystemExit(f"error: --pdd-cache-block must be in 1-{MAX_BLOCK}")
@@ -194,7 +210,7 @@ def config_from_args(args: argparse.Namespace) -> PddConfig:
         raise SystemExit(f"error: --pdd-wan-flows must be in 1-{MAX_FLOWS}")
     return PddConfig(
         role=role,
-        control_host=getattr(args, "pdd_control_host", PddConfig.control_host),
+        control_host=control_host,
         control_port=port,
         park_timeout_s=park_timeout,
         secret_file=secret_file,
