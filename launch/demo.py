@@ -12,7 +12,9 @@ crosses, then MD takes over). Prints a table per turn and a summary, writes a PN
 Scale: this CPU prefills ~1000x slower than a GPU, so the WAN is scaled alike (default 10 Mbit/s
 standing for 10 Gbit/s) for the KV transfer to weigh what it weighs in production, and so is each
 TCP flow's window (default 64 KB for production's 64 MB socket buffers), so that one flow carries
-the share of the line it carries in production.
+the share of the line it carries in production. Each decoder gets one torch thread and P all
+cores: in production each has a chip of its own, and here two decoders with two threads each
+would stall each other at every OpenMP barrier.
 """
 
 from __future__ import annotations

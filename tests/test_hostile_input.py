@@ -6,6 +6,7 @@ and no server has exited."""
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,15 +18,17 @@ import requests
 import zmq
 
 from pdd.launch.pdd_deploy import PDDDeployment
-from pdd.launch.router import main_control_port
-from pdd.launch.servers import HttpService
+from pdd.launch.process import free_port, stop_groups
+from pdd.launch.router import RouterService, main_control_port
+from pdd.launch.servers import SGLangServer
 
 TIMEOUT_S = 60.0
 
 
 @dataclass
 class Deployment:
-    dep: PDDDeployment
+    dep: PDDDeployment  # its router knows the model (--tokenizer): it checks ids itself
+    bare: RouterService  # one that does not: the servers' own guard is all there is
     vocab: int
     context: int
 
@@ -33,12 +36,17 @@ class Deployment:
 @pytest.fixture(scope="module")
 def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     config = json.loads((tiny_model / "config.json").read_text())
-    dep = PDDDeployment.create(tiny_model, tmp_path_factory.mktemp("hostile"),
-                               router_args=("--tokenizer", str(tiny_model)))  # fmt: skip
+    run_dir = tmp_path_factory.mktemp("hostile")
+    dep = PDDDeployment.create(tiny_model, run_dir, router_args=("--tokenizer", str(tiny_model)))
+    bare = RouterService("router-bare", free_port(), run_dir, [dep.prefill], [dep.relay],
+                         [dep.main], path="pdd")  # fmt: skip
     try:
         dep.up()
-        yield Deployment(dep, config["vocab_size"], config["max_position_embeddings"])
+        bare.start()
+        bare.wait_ready()
+        yield Deployment(dep, bare, config["vocab_size"], config["max_position_embeddings"])
     finally:
+        stop_groups([bare.process.pgid] if bare.process is not None else [])
         dep.down()
 
 
@@ -60,18 +68,23 @@ def assert_still_serving(live: Deployment) -> None:
     assert len(r.json()["output_ids"]) == 4
 
 
-def hostile_bodies(live: Deployment) -> list[tuple[str, object]]:
-    v, n = live.vocab, live.context
+def hostile_bodies(
+    live: Deployment, extra: dict[str, object] | None = None
+) -> list[tuple[str, object]]:
+    v, n, x = live.vocab, live.context, extra or {}
     return [
-        ("out-of-vocabulary id", {"input_ids": [v + 5, 3]}),
-        ("negative id", {"input_ids": [-1, 3]}),
-        ("empty prompt", {"input_ids": []}),
-        ("prompt over the context window", {"input_ids": [3] * (n + 10)}),
+        ("out-of-vocabulary id", {"input_ids": [v + 5, 3], **x}),
+        ("negative id", {"input_ids": [-1, 3], **x}),
+        ("empty prompt", {"input_ids": [], **x}),
+        ("prompt over the context window", {"input_ids": [3] * (n + 10), **x}),
         (
             "absurd max_new_tokens",
-            {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 10**12}},
-        ),  # fmt: skip
-        ("negative temperature", {"input_ids": [3, 4], "sampling_params": {"temperature": -1}}),
+            {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 10**12}, **x},
+        ),
+        (
+            "negative temperature",
+            {"input_ids": [3, 4], "sampling_params": {"temperature": -1}, **x},
+        ),
         ("malformed JSON", b'{"input_ids": [1, 2'),
     ]
 
@@ -85,9 +98,25 @@ def check_refused(r: requests.Response, what: str) -> None:
 def test_each_tier_refuses_hostile_requests_sent_to_it_directly(
     live: Deployment, tier: str
 ) -> None:
-    server: HttpService = getattr(live.dep, tier)
-    for what, body in hostile_bodies(live):
+    server: SGLangServer = getattr(live.dep, tier)
+    # What the router would add, so that nothing but the input itself is wrong.
+    p = live.dep.prefill
+    bootstrap = {"bootstrap_host": p.host, "bootstrap_port": p.bootstrap_port,
+                 "bootstrap_room": random.randrange(2**62)}  # fmt: skip
+    for what, body in hostile_bodies(live, bootstrap):
         check_refused(post(server.url, body), f"{tier}, {what}")
+        assert_still_serving(live)
+
+
+def test_servers_refuse_ids_a_router_without_the_model_lets_through(live: Deployment) -> None:
+    # This router cannot know the vocabulary or the context window: P, RLD and MD get these.
+    v, n = live.vocab, live.context
+    for what, body in [
+        ("out-of-vocabulary id", {"input_ids": [v + 5, 3]}),
+        ("prompt over the context window", {"input_ids": [3] * (n + 10)}),
+    ]:
+        r = post(live.bare.url, body)
+        check_refused(r, f"router without --tokenizer, {what}")
         assert_still_serving(live)
 
 
