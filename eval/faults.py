@@ -2,7 +2,7 @@
 
     python -m pdd.eval faults [--requests 300] [--concurrency 16] [--scenarios none,cut,...]
                               [--rate-mbit 8] [--delay-ms 20] [--dtype float32]
-                              [--out runs/faults]
+                              [--prefills 1] [--out runs/faults]
 
 Needs root. Brings up its own testbed (name `pddfault`), one PDD deployment on it (P and RLD in
 A, MD in B, the router in A, the router's automatic path policy) and a colocated reference
@@ -13,6 +13,8 @@ through the router at a fixed concurrency and injects its fault once a third of 
 - collapse: the WAN falls to 1% of its rate for 2 x `--fault-s` seconds;
 - md-kill / rld-kill / p-kill: that server crashes (SIGKILL to all its processes: SIGTERM would
   let SGLang finish its running requests first), and starts again `--fault-s` seconds later;
+  with `--prefills 2` p-kill crashes one of two P servers, and the router prefills again on the
+  other what the dead one had not finished;
 - overload: no fault, but 4 x `--concurrency` clients against a router that admits 2 x (its
   `--max-active`): the rest get 503 with Retry-After and retry after it, with jitter, for up to
   600 s (counted as refused).
@@ -306,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault-s", type=float, default=6.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", help="every server's (see above)")
+    parser.add_argument("--prefills", type=int, default=1, choices=range(1, 5),
+                        help="P servers behind the router; p-kill crashes the first")  # fmt: skip
     parser.add_argument("--net", default="10.231", help="the testbed's first two octets")
     parser.add_argument("--out", type=Path, default=Path("runs/faults"))
     args = parser.parse_args(argv)
@@ -325,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                              extra_args=list(dtype))  # fmt: skip
     max_active = ("--max-active", str(MAX_ACTIVE_X * args.concurrency))
     pdd = PDDDeployment.create(args.model, args.out, tb.placement("a"), tb.placement("b"),
-                               server_args=dtype, router_args=max_active)  # fmt: skip
+                               server_args=dtype, router_args=max_active,
+                               prefills=args.prefills)  # fmt: skip
     results: list[Result] = []
     try:
         reference.start()

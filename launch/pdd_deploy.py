@@ -5,7 +5,7 @@ only across the emulated WAN; elsewhere everything runs on this machine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdd.launch.pd_local import bring_up
@@ -22,6 +22,7 @@ class PDDDeployment:
     relay: SGLangServer
     main: SGLangServer
     router: RouterService
+    other_prefills: list[SGLangServer] = field(default_factory=list)  # more P in datacenter A
 
     @classmethod
     def create(
@@ -37,19 +38,22 @@ class PDDDeployment:
         path: str | None = None,
         server_args: tuple[str, ...] = (),
         server_env: dict[str, dict[str, str]] | None = None,
+        prefills: int = 1,
     ) -> PDDDeployment:
         """`a` and `b` place the two datacenters (e.g. `Testbed.placement("a")`). With
         `decode_cache`, MD keeps a radix tree of the KV it holds (SGLang's decode radix cache),
         so only the prompt suffix it lacks crosses the WAN. `server_args` go to P, RLD and MD,
-        `server_env["prefill" | "relay" | "main"]` into that server's environment."""
+        `server_env["prefill" | "relay" | "main"]` into that server's environment. `prefills` P
+        servers serve behind the router, the first one `prefill`."""
         given = server_env or {}
         env = {role: dict(given.get(role, {})) for role in ("prefill", "relay", "main")}
         if decode_cache:
             main_args = (DECODE_CACHE_FLAG, *main_args)
-        prefill = SGLangServer(
-            "prefill", model, free_port(), run_dir, a, mode="prefill", bootstrap_port=free_port(),
-            extra_args=["--pdd-role", "prefill", *server_args, *prefill_args], env=env["prefill"],
-        )  # fmt: skip
+        prefill, *others = [SGLangServer(
+            f"prefill{i or ''}", model, free_port(), run_dir, a, mode="prefill",
+            bootstrap_port=free_port(), env=env["prefill"],
+            extra_args=["--pdd-role", "prefill", *server_args, *prefill_args],
+        ) for i in range(prefills)]  # fmt: skip
         relay = SGLangServer("relay", model, free_port(), run_dir, a, mode="decode",
                              extra_args=["--pdd-role", "relay", *server_args],
                              env=env["relay"])  # fmt: skip
@@ -58,16 +62,16 @@ class PDDDeployment:
             extra_args=["--pdd-role", "main", "--pdd-control-port", str(free_port()),
                         *server_args, *main_args], env=env["main"],
         )  # fmt: skip
-        router = RouterService("router", free_port(), run_dir, [prefill], [relay], [main], a,
-                               path=path, extra_args=list(router_args))  # fmt: skip
-        return cls(prefill, relay, main, router)
+        router = RouterService("router", free_port(), run_dir, [prefill, *others], [relay],
+                               [main], a, path=path, extra_args=list(router_args))  # fmt: skip
+        return cls(prefill, relay, main, router, others)
 
     @property
     def url(self) -> str:
         return self.router.url
 
     def servers(self) -> list[SGLangServer]:
-        return [self.prefill, self.relay, self.main]
+        return [self.prefill, *self.other_prefills, self.relay, self.main]
 
     def up(self, timeout: float = SERVER_START_TIMEOUT_S) -> dict[str, float]:
         """Starts every part (servers in parallel) and waits until the router serves; returns

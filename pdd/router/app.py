@@ -45,7 +45,7 @@ TOKENIZE = web.AppKey("tokenize", ThreadPoolExecutor)
 # Instances a path needs, to refuse a request the router cannot serve with a clear reason.
 NEEDS = {"pdd": ("relay", "main"), "relay": ("relay",), "main": ("main",)}
 RETRIES = 2  # new plans for a request whose instances refused the connection
-OVERLOAD_RETRY_AFTER_S = 1  # what an over-capacity 503 tells clients to wait
+RETRY_AFTER_S = 1  # what a 503 (over capacity, no instance up) tells clients to wait
 
 
 def error_response(status: int, message: str) -> web.Response:
@@ -90,7 +90,10 @@ class NativeFormatter:
 
 
 def _error(formatter: Formatter, status: int, message: str) -> web.Response:
-    return web.json_response(formatter.error(status, message), status=status)
+    response = web.json_response(formatter.error(status, message), status=status)
+    if status == 503:  # every 503 says when to come back
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
 
 
 def _disconnected(request: web.Request) -> bool:
@@ -99,7 +102,8 @@ def _disconnected(request: web.Request) -> bool:
 
 
 class _Retry(Exception):
-    """An instance refused the connection before anything was sent to the client."""
+    """An instance refused the connection, or went away, before anything was sent to the
+    client: the request runs again on the instances left."""
 
 
 async def serve(
@@ -108,17 +112,16 @@ async def serve(
     """Run one request through its path and answer it (streamed or whole), shaped by
     `formatter` (default: SGLang-native); errors keep their status in its error shape.
 
-    An instance that refuses the connection before the client got anything is marked down and
-    the request planned again on what is left: a dead server costs no request."""
+    An instance that refuses the connection or dies before the client got anything (a P killed
+    mid-prefill, say) is marked down and the request planned again on what is left: a dead
+    server costs no request while another of its tier is up."""
     formatter = formatter or NativeFormatter()
     config = request.app[CONFIG]
     ctx = request.app[CTX]
     if ctx.metrics.active >= config.max_active:
         ctx.metrics.inc("errors_total", kind="overloaded")
         message = f"router at capacity ({config.max_active} requests in flight); retry shortly"
-        response = _error(formatter, 503, message)
-        response.headers["Retry-After"] = str(OVERLOAD_RETRY_AFTER_S)
-        return response
+        return _error(formatter, 503, message)
     if parsed.path is not None:
         missing = [tier for tier in NEEDS[parsed.path] if not getattr(config, tier)]
         if missing:
@@ -173,7 +176,8 @@ async def _serve_once(
         await response.write_eof()
         return response
     except UpstreamError as err:
-        if may_retry and err.status == 503 and response is None and req.sent_outputs == 0:
+        lost = err.status == 503 or req.lost_instance
+        if may_retry and lost and response is None and req.sent_outputs == 0:
             raise _Retry(err.reason) from err
         ctx.metrics.inc("errors_total", kind=f"http_{err.status}")
         return _error(formatter, err.status, err.reason)

@@ -158,13 +158,16 @@ class PddRequest:
         self.relay_rid = f"{self.rid}-r"
         self.main_rid = self.rid
         self.released: set[str] = set()
+        self.lost_instance = False  # an instance it held went away (see _upstream_failed)
 
     # --- set-up ------------------------------------------------------------------------------
 
     def _upstream_failed(self, tier: str, err: UpstreamError) -> None:
-        """A refused connection marks the instance down now, not at the next health check; a
-        call that timed out is counted by tier."""
-        if err.status == 503 and tier in self.held:
+        """An instance that went away is marked down now, not at the next health check, and the
+        request may run again elsewhere if the client got nothing yet; a call that timed out is
+        counted by tier."""
+        if err.lost and tier in self.held:
+            self.lost_instance = True
             self.ctx.health.mark_down(tier, self.held[tier], err.reason)
         if err.status == 504:
             self.ctx.metrics.inc("timeouts_total", wait=tier)

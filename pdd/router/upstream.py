@@ -17,12 +17,15 @@ logger = logging.getLogger(__name__)
 
 
 class UpstreamError(Exception):
-    """An instance failed or could not be reached; `status` is what the client should get."""
+    """An instance failed or could not be reached; `status` is what the client should get.
+    `lost`: the instance itself went away (refused, reset or dropped the connection), rather
+    than answering an error."""
 
-    def __init__(self, status: int, reason: str) -> None:
+    def __init__(self, status: int, reason: str, lost: bool = False) -> None:
         super().__init__(reason)
         self.status = status
         self.reason = reason
+        self.lost = lost
 
 
 def _answer_error(role: str, url: str, status: int, text: str) -> UpstreamError:
@@ -35,7 +38,9 @@ def _wrap(role: str, url: str, err: BaseException) -> UpstreamError:
     if isinstance(err, UpstreamError):
         return err
     if isinstance(err, aiohttp.ClientConnectorError):
-        return UpstreamError(503, f"{role} {url} unreachable: {err}")
+        return UpstreamError(503, f"{role} {url} unreachable: {err}", lost=True)
+    if isinstance(err, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
+        return UpstreamError(502, f"{role} {url} dropped the connection: {err!r}", lost=True)
     if isinstance(err, asyncio.TimeoutError):  # aiohttp's say which wait: connect, read, total
         return UpstreamError(504, f"{role} {url} timed out: {err!r}")
     return UpstreamError(502, f"{role} {url} failed: {err!r}")

@@ -1,0 +1,115 @@
+"""A P that dies mid-prefill costs no request while another P is up, and every 503 says when to
+come back. The real router runs in-process in front of fake upstreams: P0 drops each connection
+it gets (a server killed mid-request), P1 and RLD answer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from aiohttp import web
+
+from pdd.launch.process import free_port
+from pdd.router.app import make_app
+from pdd.router.config import PrefillTarget, RelayTarget, RouterConfig
+from pdd.router.sse import DONE, encode_event
+from tests.aio_apps import ok_routes, serving
+
+TOKENS = [10, 11, 12, 13]
+
+
+def fake_prefill(dies: bool, got: list[str], done: set[str]) -> web.Application:
+    """`done`: the requests whose KV this P has sent (by the router's request id)."""
+
+    async def generate(request: web.Request) -> web.Response:
+        rid = (await request.json())["rid"]
+        got.append(rid)
+        if dies:
+            assert request.transport is not None
+            request.transport.close()  # the process is gone: the router sees the socket drop
+            await asyncio.sleep(3600)
+        done.add(rid.rsplit("-", 1)[0])
+        return web.json_response({"text": "", "output_ids": [], "meta_info": {}})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    ok_routes(app)
+    return app
+
+
+def fake_relay(done: set[str]) -> web.Application:
+    """Decodes only once a P has sent the request's KV, as a real RLD."""
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        while body["rid"].rsplit("-", 1)[0] not in done:
+            await asyncio.sleep(0.01)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(1, len(TOKENS) + 1):
+            finish = {"type": "length", "length": i} if i == len(TOKENS) else None
+            meta = {"id": body["rid"], "finish_reason": finish, "completion_tokens": i}
+            await resp.write(encode_event({"output_ids": TOKENS[:i], "meta_info": meta}))
+        await resp.write(encode_event(DONE))
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    ok_routes(app)
+    return app
+
+
+def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], dict[str, Any]]:
+    req = urllib.request.Request(f"{url}/generate", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), json.loads(err.read())
+
+
+def test_a_request_whose_p_dies_is_prefilled_again_on_another_p() -> None:
+    got: dict[str, list[str]] = {"p0": [], "p1": []}
+    ports = {name: free_port() for name in ("p0", "p1", "relay", "router")}
+    url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+    config = RouterConfig(
+        prefill=(PrefillTarget(url["p0"], free_port()), PrefillTarget(url["p1"], free_port())),
+        relay=(RelayTarget(url["relay"]),), path="relay", port=ports["router"],
+        health_interval_s=0.2,  # P0 comes back up between requests, and dies again
+    )  # fmt: skip
+    done: set[str] = set()
+    apps = [
+        (fake_prefill(True, got["p0"], done), ports["p0"]),
+        (fake_prefill(False, got["p1"], done), ports["p1"]),
+        (fake_relay(done), ports["relay"]),
+        (make_app(config), ports["router"]),
+    ]
+    with serving(apps):
+        for _ in range(6):
+            status, _, answer = post(url["router"], {"input_ids": [1, 2, 3]})
+            assert status == 200, answer
+            assert answer["output_ids"] == TOKENS
+        assert got["p0"], "P0 was never tried: the test shows nothing"
+        with urllib.request.urlopen(f"{url['router']}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        assert f'errors_total{{kind="retried"}} {len(got["p0"])}' in metrics, metrics
+
+
+def test_every_503_carries_retry_after() -> None:
+    ports = {name: free_port() for name in ("relay", "router")}
+    dead_p = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    config = RouterConfig(
+        prefill=(PrefillTarget(dead_p, free_port()),),
+        relay=(RelayTarget(f"http://127.0.0.1:{ports['relay']}"),), path="relay",
+        port=ports["router"],
+    )  # fmt: skip
+    with serving([(fake_relay(set()), ports["relay"]), (make_app(config), ports["router"])]):
+        status, headers, answer = post(f"http://127.0.0.1:{ports['router']}",
+                                       {"input_ids": [1, 2, 3]})  # fmt: skip
+    assert status == 503, answer
+    assert headers.get("Retry-After") == "1"
+    assert "prefill" in json.dumps(answer)
