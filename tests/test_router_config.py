@@ -10,7 +10,7 @@ import pytest
 
 from pdd.control.secret import ENV_SECRET
 from pdd.router.config import build_parser, config_from_args
-from pdd.router.pdd_request import _pace
+from pdd.router.request_base import pace
 
 BASE = ["--prefill", "http://10.0.0.1:30000", "8998", "--relay", "http://10.0.0.1:30001",
         "--main", "http://10.0.0.2:30002", "17000"]  # fmt: skip
@@ -48,7 +48,7 @@ def test_a_bad_path_names_the_choices(capsys: pytest.CaptureFixture[str]) -> Non
 def test_pace_holds_a_chunk_until_its_tokens_are_due() -> None:
     async def held(tokens: object) -> float:
         start = time.monotonic()
-        await _pace({"meta_info": {"completion_tokens": tokens}}, start, 0.05)
+        await pace({"meta_info": {"completion_tokens": tokens}}, start, 0.05)
         return time.monotonic() - start
 
     assert asyncio.run(held(4)) >= 0.2
