@@ -16,6 +16,7 @@ from pdd.launch.servers import (
     Placement,
     SGLangServer,
     control_secret_file,
+    flag_value,
 )
 
 CONTROL_PORT_FLAG = "--pdd-control-port"
@@ -23,10 +24,10 @@ CONTROL_PORT_FLAG = "--pdd-control-port"
 
 def main_control_port(server: SGLangServer) -> int:
     """The control port an MD server was started with (its --pdd-control-port)."""
-    args = server.extra_args
-    if CONTROL_PORT_FLAG not in args:
+    port = flag_value(server.extra_args, CONTROL_PORT_FLAG)
+    if port is None:
         raise ValueError(f"{server.name} has no {CONTROL_PORT_FLAG}: it is not a MainDecode server")
-    return int(args[args.index(CONTROL_PORT_FLAG) + 1])
+    return int(port)
 
 
 @dataclass

@@ -38,10 +38,14 @@ SECRET_FLAG = "--pdd-secret-file"
 SECRET_FILE = "control.secret"
 
 
+def flag_value(args: list[str], flag: str) -> str | None:
+    """The value after `flag` in a command line, or None when the flag is absent."""
+    return args[args.index(flag) + 1] if flag in args else None
+
+
 def control_secret_file(server: SGLangServer) -> str | None:
     """The secret file of a MainDecode server's control socket, if it has one."""
-    args = server.argv()
-    return args[args.index(SECRET_FLAG) + 1] if SECRET_FLAG in args else None
+    return flag_value(server.argv(), SECRET_FLAG)
 
 
 def device_env() -> dict[str, str]:
@@ -119,7 +123,7 @@ class SGLangServer(HttpService):
         """MainDecode's control socket binds its --host, which beyond loopback needs a secret:
         one per run directory, which the router of these servers uses too."""
         args = self.extra_args
-        if "--pdd-role" not in args or args[args.index("--pdd-role") + 1] != "main":
+        if flag_value(args, "--pdd-role") != "main":
             return []
         if SECRET_FLAG in args or is_loopback(self.host) or os.environ.get(ENV_SECRET):
             return []

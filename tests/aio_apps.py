@@ -37,6 +37,24 @@ def serving(apps: list[tuple[web.Application, int]]) -> Iterator[asyncio.Abstrac
         thread.join(10)
 
 
+async def stream_answer(
+    request: web.Request, rid: str, chunks: list[dict[str, Any]]
+) -> web.StreamResponse:
+    """Streams `chunks` (cumulative, as SGLang's) with SGLang's meta_info (the last one finished
+    by length), then [DONE]."""
+    from pdd.router.sse import DONE, encode_event
+
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    n = len(chunks)
+    for i, chunk in enumerate(chunks, 1):
+        finish = {"type": "length", "length": n} if i == n else None
+        meta = {"id": rid, "finish_reason": finish, "completion_tokens": i}
+        await resp.write(encode_event({**chunk, "meta_info": meta}))
+    await resp.write(encode_event(DONE))
+    return resp
+
+
 def ok_routes(app: web.Application, aborted: list[Any] | None = None) -> None:
     """What the router's health checks and aborts need of an SGLang server; the rids of
     /abort_request calls go to `aborted`."""

@@ -15,8 +15,7 @@ from aiohttp import web
 from pdd.launch.process import free_port
 from pdd.router.app import make_app
 from pdd.router.config import PrefillTarget, RelayTarget, RouterConfig
-from pdd.router.sse import DONE, encode_event
-from tests.aio_apps import ok_routes, serving
+from tests.aio_apps import ok_routes, serving, stream_answer
 
 TOKENS = [10, 11, 12, 13]
 
@@ -47,14 +46,8 @@ def fake_relay(done: set[str]) -> web.Application:
         body = await request.json()
         while body["rid"].rsplit("-", 1)[0] not in done:
             await asyncio.sleep(0.01)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for i in range(1, len(TOKENS) + 1):
-            finish = {"type": "length", "length": i} if i == len(TOKENS) else None
-            meta = {"id": body["rid"], "finish_reason": finish, "completion_tokens": i}
-            await resp.write(encode_event({"output_ids": TOKENS[:i], "meta_info": meta}))
-        await resp.write(encode_event(DONE))
-        return resp
+        outputs = [{"output_ids": TOKENS[:i]} for i in range(1, len(TOKENS) + 1)]
+        return await stream_answer(request, body["rid"], outputs)
 
     app = web.Application()
     app.router.add_post("/generate", generate)

@@ -42,7 +42,7 @@ from pdd.router.tokenizer import (
     load_tokenizer,
     to_token_ids,
 )
-from tests.aio_apps import ok_routes, serving
+from tests.aio_apps import ok_routes, serving, stream_answer
 
 MODEL = "tiny-pdd"
 MESSAGES: list[Any] = [{"role": "user", "content": "Say something about decoding."}]
@@ -444,22 +444,14 @@ def fake_sglang() -> Any:
     """P and RLD in one: a non-streamed /generate is P's prefill, a streamed one RLD's decode."""
     from aiohttp import web
 
-    from pdd.router.sse import DONE, encode_event
-
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         if not body.get("stream"):
             return web.json_response({"text": "", "output_ids": [], "meta_info": {}})
         n = min(body["sampling_params"].get("max_new_tokens") or 99, len(FAKE_TEXTS))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for i in range(1, n + 1):
-            finish = {"type": "length", "length": n} if i == n else None
-            meta = {"id": body["rid"], "finish_reason": finish, "completion_tokens": i}
-            chunk = {"text": FAKE_TEXTS[i - 1], "output_ids": list(range(10, 10 + i))}
-            await resp.write(encode_event({**chunk, "meta_info": meta}))
-        await resp.write(encode_event(DONE))
-        return resp
+        chunks = [{"text": FAKE_TEXTS[i - 1], "output_ids": list(range(10, 10 + i))}
+                  for i in range(1, n + 1)]  # fmt: skip
+        return await stream_answer(request, body["rid"], chunks)
 
     app = web.Application()
     app.router.add_post("/generate", generate)
