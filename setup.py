@@ -24,6 +24,7 @@ COMMON = [
     "msgpack==1.2.4",
     "triton==3.8.0",
     "sglang-router==0.3.2",
+    "kubernetes-validate==1.37.0",  # pdd.launch.k8s checks what it renders
 ]
 
 setup(

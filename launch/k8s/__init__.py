@@ -1,0 +1,1 @@
+"""Kubernetes manifests for a PDD deployment across two datacenters, from one spec."""

@@ -1,0 +1,209 @@
+"""Kubernetes manifests from a deployment spec: valid against Kubernetes' own schemas (offline,
+kubernetes-validate), the flags each tier needs, and bad specs refused naming the field."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pdd.launch.k8s.manifests import render, router_args
+from pdd.launch.k8s.spec import SpecError, parse_spec
+from pdd.launch.k8s.validate import schema_errors
+
+EXAMPLE = Path(__file__).parent.parent / "launch" / "k8s" / "example.yaml"
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    (tmp_path / "control.secret").write_text("0123456789abcdef0123456789abcdef\n")
+    return tmp_path
+
+
+def example() -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    return doc
+
+
+def multi_node() -> dict[str, Any]:
+    """MD with TP 16 over two 8-chip nodes, P with TP 4 on half a node."""
+    doc = example()
+    doc["main"]["tp"] = 16
+    doc["prefill"]["tp"] = 4
+    return doc
+
+
+def objects(doc: dict[str, Any], base: Path) -> dict[str, list[dict[str, Any]]]:
+    return render(parse_spec(doc, base))
+
+
+def find(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    [obj] = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    return obj
+
+
+def sglang_command(statefulset: dict[str, Any]) -> str:
+    [container] = statefulset["spec"]["template"]["spec"]["containers"]
+    command: str = container["command"][2]
+    return command
+
+
+@pytest.mark.parametrize("spec", [example, multi_node], ids=["example", "multi-node-tp"])
+def test_every_rendered_object_passes_kubernetes_schemas(spec: Any, base: Path) -> None:
+    out = objects(spec(), base)
+    assert set(out) == {"a", "b"}
+    kinds = sorted({o["kind"] for objs in out.values() for o in objs})
+    assert kinds == sorted(["Namespace", "Secret", "Service", "StatefulSet", "NetworkPolicy",
+                            "Deployment", "PodDisruptionBudget"])  # fmt: skip
+    errors = [e for objs in out.values() for o in objs if (e := schema_errors(o))]
+    assert errors == []
+
+
+def test_the_schema_check_catches_a_wrong_object(base: Path) -> None:
+    """The validation above can fail: a wrong type and an unknown field are both reported."""
+    sts = copy.deepcopy(find(objects(example(), base)["b"], "StatefulSet", "pdd-main-0"))
+    sts["spec"]["replicas"] = "two"
+    assert "replicas" in (schema_errors(sts) or "")
+    sts = copy.deepcopy(find(objects(example(), base)["b"], "StatefulSet", "pdd-main-0"))
+    sts["spec"]["template"]["spec"]["containers"][0]["gpus"] = 8
+    assert "gpus" in (schema_errors(sts) or "")
+
+
+def test_each_tier_gets_its_pdd_flags_and_chips(base: Path) -> None:
+    out = objects(example(), base)
+    p = sglang_command(find(out["a"], "StatefulSet", "pdd-prefill-1"))
+    assert "--pdd-role prefill --disaggregation-mode prefill" in p
+    assert "--disaggregation-bootstrap-port 8998" in p and "--tp-size 8" in p
+    md_sts = find(out["b"], "StatefulSet", "pdd-main-0")
+    md = sglang_command(md_sts)
+    assert "--pdd-role main --disaggregation-mode decode" in md
+    assert "--pdd-control-port 7500 --pdd-secret-file /etc/pdd/control.secret" in md
+    assert md.endswith("--pdd-wan-flows 16")  # the spec's extra_args
+    assert "--nnodes" not in md
+    [container] = md_sts["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "8"}
+    rld = find(out["a"], "StatefulSet", "pdd-relay-0")
+    assert rld["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] == {
+        "nvidia.com/gpu": "2"
+    }
+    # The secret reaches both datacenters, with the same bytes.
+    secrets = [find(out[dc], "Secret", "pdd-control")["data"] for dc in ("a", "b")]
+    assert secrets[0] == secrets[1] and secrets[0]["control.secret"]
+
+
+def test_router_addresses_each_instance_and_advertises_its_own_pod_ip(base: Path) -> None:
+    spec = parse_spec(example(), base)
+    args = router_args(spec)
+    joined = " ".join(args)
+    # P by its WAN name (MD in b connects to its bootstrap server), RLD in-cluster, MD over WAN.
+    assert "--prefill http://p0.dc-a.example.com:30000 8998" in joined
+    assert "--prefill http://p1.dc-a.example.com:30000 8998" in joined
+    assert (
+        "--relay http://pdd-relay-0.pdd.svc:30001 --relay http://pdd-relay-1.pdd.svc:30001"
+        in joined
+    )
+    assert "--main http://md0.dc-b.example.com:30002 7500" in joined
+    assert args[args.index("--control-advertise") + 1] == "$(POD_IP)"
+    deployment = find(render(spec)["a"], "Deployment", "pdd-router")
+    assert deployment["spec"]["replicas"] == 2
+
+
+def test_md_control_port_admits_only_the_routers(base: Path) -> None:
+    policy = find(objects(example(), base)["b"], "NetworkPolicy", "pdd-main-control")
+    control, others = policy["spec"]["ingress"]
+    assert control["ports"] == [{"protocol": "TCP", "port": 7500}]
+    assert control["from"] == [{"ipBlock": {"cidr": "10.10.0.0/16"}}]  # datacenter a's routers
+    assert "from" not in others
+    covered = [(r["port"], r.get("endPort", r["port"])) for r in others["ports"]]
+    assert covered == [(1, 7499), (7501, 65535)]
+    # Routers in MD's own datacenter are selected by label instead.
+    doc = example()
+    doc["router"]["datacenter"] = "b"
+    doc["relay"]["wan_addresses"] = ["r0.dc-a.example.com", "r1.dc-a.example.com"]
+    policy = find(objects(doc, base)["b"], "NetworkPolicy", "pdd-main-control")
+    labels = policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    assert labels["app.kubernetes.io/component"] == "router"
+
+
+def test_multi_node_instance_takes_its_node_rank_from_the_pod_ordinal(base: Path) -> None:
+    out = objects(multi_node(), base)
+    sts = find(out["b"], "StatefulSet", "pdd-main-0")
+    assert sts["spec"]["replicas"] == 2 and sts["spec"]["podManagementPolicy"] == "Parallel"
+    assert sts["spec"]["serviceName"] == "pdd-main-0-nodes"
+    headless = find(out["b"], "Service", "pdd-main-0-nodes")
+    assert headless["spec"]["clusterIP"] == "None"
+    front = find(out["b"], "Service", "pdd-main-0")
+    assert front["spec"]["selector"]["statefulset.kubernetes.io/pod-name"] == "pdd-main-0-0"
+    command = sglang_command(sts)
+    assert "--tp-size 16 " in command
+    assert "--nnodes 2 --dist-init-addr pdd-main-0-0.pdd-main-0-nodes.pdd.svc:5000" in command
+    # Run the pod's shell line with `echo` as SGLang: pod 1 of the StatefulSet is node rank 1.
+    line = command.replace("exec python3", "exec echo python3")
+    env = {**os.environ, "HOSTNAME": "pdd-main-0-1"}
+    run = subprocess.run(["/bin/sh", "-c", line], env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and "--node-rank 1" in run.stdout
+    p = find(out["a"], "StatefulSet", "pdd-prefill-0")
+    assert p["spec"]["replicas"] == 1 and "--nnodes" not in sglang_command(p)
+    [container] = p["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "4"}
+
+
+def _without(doc: dict[str, Any], key: str) -> dict[str, Any]:
+    doc.pop(key)
+    return doc
+
+
+def _set(doc: dict[str, Any], tier: str, key: str, value: Any) -> dict[str, Any]:
+    doc[tier][key] = value
+    return doc
+
+
+BAD = {
+    "no model": (lambda: _without(example(), "model"), "model"),
+    "no model path": (lambda: _set(example(), "model", "path", None), "model.path"),
+    "tp not dividing the chips": (lambda: _set(example(), "prefill", "tp", 3), "prefill.tp"),
+    "tp over partial nodes": (lambda: _set(example(), "main", "tp", 12), "main.tp"),
+    "md without a secret": (lambda: _without(example(), "secret"), "secret.file"),
+    "two tiers on one port": (lambda: _set(example(), "relay", "port", 30000), "relay.port"),
+    "md port as router port": (
+        lambda: _set(example(), "main", "control_port", 8000),
+        "main.control_port",
+    ),  # fmt: skip
+    "unknown datacenter": (lambda: _set(example(), "main", "datacenter", "c"), "main.datacenter"),
+    "md unreachable": (lambda: _set(example(), "main", "wan_addresses", []), "main.wan_addresses"),
+    "wrong address count": (
+        lambda: _set(example(), "prefill", "wan_addresses", ["p0"]),
+        "prefill.wan_addresses",
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_a_bad_spec_is_refused_naming_the_field(case: str, base: Path) -> None:
+    make, field = BAD[case]
+    with pytest.raises(SpecError) as err:
+        parse_spec(make(), base)
+    assert err.value.field == field and str(err.value).startswith(f"{field}: ")
+
+
+def test_render_command_writes_a_folder_per_datacenter(base: Path) -> None:
+    spec = base / "spec.yaml"
+    spec.write_text(EXAMPLE.read_text())
+    out = base / "out"
+    cmd = [sys.executable, "-m", "pdd.launch.k8s", "render", str(spec), "--out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    files = {dc: sorted(p.name for p in (out / dc).iterdir()) for dc in ("a", "b")}
+    assert files["b"][0] == "00-namespace-pdd.yaml"
+    assert "04-statefulset-pdd-main-0.yaml" in files["b"]
+    written = yaml.safe_load((out / "b" / "04-statefulset-pdd-main-0.yaml").read_text())
+    assert written["kind"] == "StatefulSet" and schema_errors(written) is None
+    (base / "control.secret").unlink()
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "secret.file: cannot read" in run.stderr
