@@ -21,10 +21,11 @@ from pdd.control.channel import AsyncControlSocket
 from pdd.policy.path import handoff_blockers
 from pdd.router.body import BadRequest, GenerateRequest, Limits, parse_generate
 from pdd.router.config import RouterConfig
-from pdd.router.context import NoInstance, RouterContext
+from pdd.router.context import TIERS, NoInstance, RouterContext
 from pdd.router.openai_api import NO_TOKENIZER, OpenAIError, OpenAIRequest, ServedModel, error_body
 from pdd.router.pdd_request import PddRequest
 from pdd.router.planner import plan
+from pdd.router.server_loads import poll_loop
 from pdd.router.sse import DONE, encode_event
 from pdd.router.tokenizer import (
     default_max_prompt_tokens,
@@ -288,8 +289,9 @@ async def status(request: web.Request) -> web.Response:
     }
     health = ctx.health.status()
     for tier, targets in tiers.items():
-        active = ctx.loads[tier].active
-        instances[tier] = [{**asdict(t), "active": active[i], **health[tier][i]}
+        load = ctx.loads[tier]
+        instances[tier] = [{**asdict(t), "active": load.active[i], "load": load.value(i),
+                            "reported_load": load.reported[i], **health[tier][i]}
                            for i, t in enumerate(targets)]  # fmt: skip
     for i, est in enumerate(ctx.wan):
         instances["main"][i]["wan"] = est.to_dict()
@@ -331,6 +333,8 @@ async def _startup(app: web.Application) -> None:
     if config.main:
         app[TASKS].append(loop.create_task(ctx.caches.loop()))
     app[TASKS].append(loop.create_task(ctx.health.loop(session)))
+    tiers = [(ctx.loads[t], ctx.health.urls(t)) for t in TIERS]
+    app[TASKS].append(loop.create_task(poll_loop(session, tiers, config.load_interval_s)))
     logger.info("control socket %s (advertised %s)", bound, reply_to)
 
 

@@ -101,6 +101,8 @@ class RouterConfig:
     cache_sync_interval_s: float = 5.0
     path_policy: PathPolicy = field(default_factory=PathPolicy)
     health_interval_s: float = 2.0
+    # How often the router asks each server for its load (SGLang's /v1/loads).
+    load_interval_s: float = 0.5
     wan_mbit: float | None = None  # a first guess of the WAN's bandwidth, until measured
     prefill_index_blocks: int = 200_000  # 16-token blocks the router remembers per P
     prefix_slack: int = 2  # requests more than the least loaded that a better prefix may cost
@@ -130,6 +132,8 @@ class RouterConfig:
             raise ValueError(f"--path {self.path} needs at least one --main instance")
         if self.path == "auto" and not (self.relay or self.main):
             raise ValueError("--path auto needs a --relay or a --main instance")
+        if self.load_interval_s <= 0:
+            raise ValueError("--load-interval must be > 0")
         if self.health_interval_s <= 0 or self.prefill_index_blocks < 1 or self.prefix_slack < 0:
             raise ValueError("--health-interval > 0, --prefix-slack >= 0 needed")
         if self.wan_mbit is not None and self.wan_mbit <= 0:
@@ -221,6 +225,13 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="a first guess of the WAN bandwidth to MD, until the router has measured it",
     )
     add("--health-interval", type=float, default=2.0, help="seconds between health checks")
+    add(
+        "--load-interval",
+        type=float,
+        default=0.5,
+        help="seconds between asking each server its load (/v1/loads): routers sharing "
+        "servers balance on the servers' own counts",
+    )
     add(
         "--prefix-slack",
         type=int,
@@ -360,6 +371,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             relay_only_max_load=args.relay_only_max_load,
         ),
         health_interval_s=args.health_interval,
+        load_interval_s=args.load_interval,
         wan_mbit=args.wan_mbit,
         prefix_slack=args.prefix_slack,
         max_active=args.max_active,

@@ -1,4 +1,4 @@
-"""What every request of the router shares: HTTP session, control socket, load counts, metrics."""
+"""What every request of the router shares: HTTP session, control socket, loads, metrics."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from pdd.router.health import Health
 from pdd.router.md_caches import MdCaches
 from pdd.router.metrics import Metrics
 from pdd.router.prefix_index import PrefixIndex
+from pdd.router.server_loads import Load
 
 logger = logging.getLogger(__name__)
 
@@ -27,18 +28,6 @@ TIERS = ("prefill", "relay", "main")
 
 class NoInstance(Exception):
     """Every instance a request needs is down: the client gets a 503 with the reason."""
-
-
-@dataclass
-class Load:
-    """Requests the router has in flight on each instance of one tier."""
-
-    active: list[int]
-    cursor: int = 0
-
-    def advance(self, i: int) -> int:
-        self.cursor = (i + 1) % len(self.active)
-        return i
 
 
 @dataclass
@@ -75,9 +64,9 @@ class RouterContext:
             self.loads.setdefault(tier, Load([0] * len(urls[tier])))
 
     def live_loads(self, tier: str) -> list[int | None]:
-        """Each instance's requests in flight; None for an instance that is down."""
-        active = self.loads[tier].active
-        return [n if self.health.up(tier, i) else None for i, n in enumerate(active)]
+        """Each instance's requests (as the server reports them); None for one that is down."""
+        values = self.loads[tier].values()
+        return [n if self.health.up(tier, i) else None for i, n in enumerate(values)]
 
     def pick(self, tier: str, prefixes: list[int] | None = None, fail_open: bool = False) -> int:
         """The instance a new request should use. All down: NoInstance, or with `fail_open`
@@ -86,17 +75,17 @@ class RouterContext:
         if all(n is None for n in loads):
             if not fail_open:
                 raise NoInstance(f"every {tier} instance is down")
-            loads = list(load.active)
+            loads = list(load.values())
         if prefixes is None:
             return load.advance(pick_least_loaded(loads, load.cursor))
         slack = self.config.prefix_slack
         return load.advance(pick_by_prefix(loads, prefixes, slack, load.cursor))
 
     def hold(self, tier: str, i: int) -> None:
-        self.loads[tier].active[i] += 1
+        self.loads[tier].hold(i)
 
     def release(self, tier: str, i: int) -> None:
-        self.loads[tier].active[i] -= 1
+        self.loads[tier].release(i)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """A background task the router keeps a reference to until it ends."""

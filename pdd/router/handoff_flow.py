@@ -52,7 +52,7 @@ class HandoffFlow(RequestBase):
         if self.relay is RelayState.RUNNING and relay_finishes(self.cfg.handoff, left=left):
             return self._md_dead(f"RLD finishes the last {left} tokens itself", "relay_finished")
         if self.relay is RelayState.RUNNING:
-            relay_load = self.ctx.loads["relay"].active[self.held["relay"]]
+            relay_load = self.ctx.loads["relay"].value(self.held["relay"])
             mode = choose_mode(self.cfg.handoff, pending=pending, relay_load=relay_load)
         else:
             mode = "extend"  # RLD is gone: nothing keeps decoding while chunks go over

@@ -37,6 +37,9 @@ class Health:
         self.interval_s = interval_s
         self.failures = failures
 
+    def urls(self, tier: str) -> list[str]:
+        return [h.url for h in self.tiers[tier]]
+
     def up(self, tier: str, i: int) -> bool:
         return self.tiers[tier][i].up
 

@@ -73,7 +73,7 @@ def plan(ctx: RouterContext, body: dict[str, Any], requested: str | None,
         md_cached_tokens=predicted,
         transfer_s=transfer,
         relay_decode_s=ctx.relay_speed.decode_s(max_new),
-        relay_load=None if relay is None else ctx.loads["relay"].active[relay],
+        relay_load=None if relay is None else ctx.loads["relay"].value(relay),
         md_available=main is not None,
     )
     choice = choose_path(requested, cfg.path, blockers, signals, cfg.path_policy)

@@ -1,0 +1,94 @@
+"""Each instance's load as the server itself reports it, so that several routers in front of the
+same servers balance on the same numbers (a router's own count sees only what it sent).
+
+SGLang's `/v1/loads` gives, per data-parallel rank, the requests running and waiting (on a
+decode server the waiting include those whose KV is still in flight). Between two reports a
+router adds the requests it has sent since it asked, so a burst does not all land on the
+instance that looked idle. An instance that does not answer falls back to the router's count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+logger = logging.getLogger(__name__)
+LOADS_PATH = "/v1/loads?include=core"
+
+
+def requests_reported(doc: Any) -> int:
+    """Running plus waiting requests over every DP rank of a `/v1/loads` answer."""
+    loads = doc["loads"]
+    if not isinstance(loads, list) or not loads:
+        raise ValueError("no loads in the answer")
+    return sum(int(r["num_running_reqs"]) + int(r["num_waiting_reqs"]) for r in loads)
+
+
+@dataclass
+class Load:
+    """The load of each instance of one tier."""
+
+    active: list[int]  # this router's requests in flight on each instance
+    # The server's own count at its last report (None: no report, use `active`), and this
+    # router's requests sent since that report was asked for.
+    reported: list[int | None] = field(default_factory=list)
+    sent_since: list[int] = field(default_factory=list)
+    cursor: int = 0
+
+    def __post_init__(self) -> None:
+        n = len(self.active)
+        self.reported = self.reported or [None] * n
+        self.sent_since = self.sent_since or [0] * n
+
+    def value(self, i: int) -> int:
+        reported = self.reported[i]
+        return self.active[i] if reported is None else reported + self.sent_since[i]
+
+    def values(self) -> list[int]:
+        return [self.value(i) for i in range(len(self.active))]
+
+    def hold(self, i: int) -> None:
+        self.active[i] += 1
+        self.sent_since[i] += 1
+
+    def release(self, i: int) -> None:
+        self.active[i] -= 1
+
+    def advance(self, i: int) -> int:
+        self.cursor = (i + 1) % len(self.active)
+        return i
+
+    async def poll(self, session: aiohttp.ClientSession, i: int, url: str, timeout: float) -> None:
+        before = self.sent_since[i]
+        try:
+            async with session.get(
+                f"{url}{LOADS_PATH}", timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as resp:
+                resp.raise_for_status()
+                reported = requests_reported(await resp.json())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError) as err:
+            if self.reported[i] is not None:
+                logger.warning("%s%s failed (%r): counting own requests", url, LOADS_PATH, err)
+            self.reported[i] = None
+            return
+        self.reported[i] = reported
+        # Those sent before the question are in the answer; later ones may not be yet.
+        self.sent_since[i] = max(0, self.sent_since[i] - before)
+
+
+async def poll_loop(
+    session: aiohttp.ClientSession,
+    tiers: Sequence[tuple[Load, Sequence[str]]],
+    interval_s: float,
+) -> None:
+    """Asks every instance of every tier for its load each `interval_s`."""
+    while True:
+        polls = [load.poll(session, i, url, max(interval_s, 1.0))
+                 for load, urls in tiers for i, url in enumerate(urls)]  # fmt: skip
+        await asyncio.gather(*polls, return_exceptions=True)
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,66 @@
+"""The router's view of each instance's load: the server's own report (SGLang's /v1/loads) plus
+what this router sent since asking, and its own count when a server does not report."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from pdd.launch.process import free_port
+from pdd.router.server_loads import Load, requests_reported
+from tests.aio_apps import serving
+
+
+def answer(*ranks: tuple[int, int]) -> dict[str, object]:
+    return {"loads": [{"dp_rank": i, "num_running_reqs": r, "num_waiting_reqs": w}
+                      for i, (r, w) in enumerate(ranks)]}  # fmt: skip
+
+
+def test_reported_requests_sum_running_and_waiting_over_dp_ranks() -> None:
+    assert requests_reported(answer((3, 1), (2, 0))) == 6
+    with pytest.raises(ValueError):
+        requests_reported({"loads": []})
+
+
+def test_without_a_report_the_router_counts_its_own_requests() -> None:
+    load = Load([0, 0])
+    load.hold(1)
+    load.hold(1)
+    load.release(1)
+    assert load.values() == [0, 1]
+
+
+def test_the_servers_report_replaces_the_routers_count() -> None:
+    """Another router's 5 requests show in the report; ours sent after asking are added."""
+    port = free_port()
+    reports = [answer((5, 2))]
+
+    async def loads(request: web.Request) -> web.Response:
+        if request.query.get("include") != "core":
+            return web.json_response({"error": "expected include=core"}, status=400)
+        return web.json_response(reports[0])
+
+    app = web.Application()
+    app.router.add_get("/v1/loads", loads)
+    url = f"http://127.0.0.1:{port}"
+    load = Load([0])
+    load.hold(0)  # one of ours, sent before the question: the report has it
+
+    async def poll() -> None:
+        async with aiohttp.ClientSession() as session:
+            await load.poll(session, 0, url, timeout=5.0)
+
+    with serving([(app, port)]):
+        asyncio.run(poll())
+        assert (load.reported, load.value(0)) == ([7], 7)
+        load.hold(0)  # sent after the report: counted on top until the next one
+        assert load.value(0) == 8
+        reports[0] = answer((1, 0))
+        asyncio.run(poll())
+        assert load.value(0) == 1
+    # The server is gone: back to this router's own count (2 held).
+    asyncio.run(poll())
+    assert (load.reported, load.value(0)) == ([None], 2)
