@@ -11,7 +11,6 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from typing import Any, Protocol
 
 import aiohttp
@@ -27,6 +26,7 @@ from pdd.router.pdd_request import PddRequest
 from pdd.router.planner import plan
 from pdd.router.server_loads import poll_loop
 from pdd.router.sse import DONE, encode_event
+from pdd.router.status import metrics_text, status_body
 from pdd.router.tokenizer import (
     default_max_prompt_tokens,
     default_model_name,
@@ -274,48 +274,13 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    ctx = request.app[CTX]
-    text = ctx.metrics.render(malformed=ctx.control.stats.malformed)
+    text = metrics_text(request.app[CTX])
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 
 async def status(request: web.Request) -> web.Response:
-    ctx, config = request.app[CTX], request.app[CONFIG]
-    instances: dict[str, Any] = {}
-    tiers: dict[str, tuple[Any, ...]] = {
-        "prefill": config.prefill,
-        "relay": config.relay,
-        "main": config.main,
-    }
-    health = ctx.health.status()
-    for tier, targets in tiers.items():
-        load = ctx.loads[tier]
-        instances[tier] = [{**asdict(t), "active": load.active[i], "load": load.value(i),
-                            "reported_load": load.reported[i], **health[tier][i]}
-                           for i, t in enumerate(targets)]  # fmt: skip
-    for i, est in enumerate(ctx.wan):
-        instances["main"][i]["wan"] = est.to_dict()
-    return web.json_response(
-        {
-            "uptime_s": round(time.monotonic() - request.app[STARTED], 3),
-            "default_path": config.path,
-            "path_policy": asdict(config.path_policy),
-            "relay_tpot_s": ctx.relay_speed.tpot_s.value,
-            "prefill_s_per_token": ctx.prefill_speed.s_per_token.value,
-            "handoff": asdict(config.handoff),
-            "timeouts": asdict(config.timeouts),
-            "control": {
-                "reply_to": ctx.reply_to,
-                "signed": config.secret is not None,
-                **asdict(ctx.control.stats),
-                "unknown_rids": ctx.unknown_rids,
-            },
-            "md_caches": ctx.caches.status(),
-            "active_requests": ctx.metrics.active,
-            "instances": instances,
-            "counters": ctx.metrics.snapshot(),
-        }
-    )
+    uptime_s = time.monotonic() - request.app[STARTED]
+    return web.json_response(status_body(request.app[CTX], uptime_s))
 
 
 async def _startup(app: web.Application) -> None:

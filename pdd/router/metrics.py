@@ -1,16 +1,20 @@
-"""Router counters, rendered as Prometheus text."""
+"""Router counters, gauges and latency histograms, rendered as Prometheus text."""
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 PREFIX = "pdd_router_"
+Labels = tuple[tuple[str, str], ...]
 HELP = {
     "requests_total": "Finished requests by the path that served them",
     "handoffs_total": "Handoffs from RLD to MD by mode",
     "relay_tokens_total": "Output tokens the clients received from RLD",
     "main_tokens_total": "Output tokens the clients received from MD",
+    "wan_kv_bytes_total": "KV bytes MD received across the WAN, as its READYs report them",
     "control_bytes_total": "Encoded control-message bytes by direction",
     "catchup_chunks_total": "Catch-Up chunks sent to MD",
     "resumes_total": "Requests one side finished after the other failed while feeding the "
@@ -25,10 +29,26 @@ HELP = {
 GAUGES = {
     "active_requests": "Requests in flight",
     "control_malformed": "Malformed control messages",
+    "instance_load": "Requests on each instance, as the server reports them (plus this "
+    "router's sent since), by tier and instance",
+    "instance_up": "1 while the instance passes its health checks, by tier and instance",
+    "wan_bytes_per_second": "The WAN bandwidth to each MD the router has learnt from transfers",
+    "wan_overhead_seconds": "The fixed cost per transfer to each MD the router has learnt",
+}
+# Seconds; TTFT spans a same-datacenter prefill to a WAN-bound one, TPOT a fast GPU to a CPU.
+HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "ttft_seconds": (
+        "Time to the first output token, by path",
+        (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64),
+    ),
+    "tpot_seconds": (
+        "Mean time per output token after the first, per request, by path",
+        (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28),
+    ),
 }
 
 
-def _labels(labels: tuple[tuple[str, str], ...]) -> str:
+def _labels(labels: Labels) -> str:
     if not labels:
         return ""
     inner = ",".join(f'{k}="{v}"' for k, v in labels)
@@ -36,13 +56,42 @@ def _labels(labels: tuple[tuple[str, str], ...]) -> str:
 
 
 @dataclass
+class Histogram:
+    buckets: Sequence[float]
+    counts: list[int] = field(default_factory=list)  # per bucket, not cumulative; last: +Inf
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)
+        self.counts[bisect_left(self.buckets, value)] += 1
+        self.total += value
+
+    def lines(self, name: str, labels: Labels) -> list[str]:
+        out, running = [], 0
+        for le, n in zip([*map(str, self.buckets), "+Inf"], self.counts, strict=True):
+            running += n
+            out.append(f"{name}_bucket{_labels((*labels, ('le', le)))} {running}")
+        out.append(f"{name}_sum{_labels(labels)} {self.total}")
+        out.append(f"{name}_count{_labels(labels)} {running}")
+        return out
+
+
+@dataclass
 class Metrics:
-    counters: Counter[tuple[str, tuple[tuple[str, str], ...]]] = field(default_factory=Counter)
+    counters: Counter[tuple[str, Labels]] = field(default_factory=Counter)
+    histograms: dict[tuple[str, Labels], Histogram] = field(default_factory=dict)
     active: int = 0
 
     def inc(self, name: str, value: int = 1, **labels: str) -> None:
         assert name in HELP, name
         self.counters[(name, tuple(sorted(labels.items())))] += value
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        key = (name, tuple(sorted(labels.items())))
+        if key not in self.histograms:
+            self.histograms[key] = Histogram(HISTOGRAMS[name][1])
+        self.histograms[key].observe(value)
 
     def get(self, name: str, **labels: str) -> int:
         return self.counters[(name, tuple(sorted(labels.items())))]
@@ -50,7 +99,8 @@ class Metrics:
     def snapshot(self) -> dict[str, int]:
         return {f"{n}{_labels(lb)}": v for (n, lb), v in sorted(self.counters.items())}
 
-    def render(self, malformed: int = 0) -> str:
+    def render(self, gauges: dict[str, list[tuple[Labels, float]]]) -> str:
+        """Every metric; `gauges` holds the values of GAUGES known only to the caller."""
         lines = []
         for name, help_text in HELP.items():
             lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} counter"]
@@ -58,8 +108,14 @@ class Metrics:
             if not rows:
                 lines.append(f"{PREFIX}{name} 0")
             lines += [f"{PREFIX}{name}{_labels(lb)} {v}" for lb, v in rows]
-        values = {"active_requests": self.active, "control_malformed": malformed}
+        own: list[tuple[Labels, float]] = [((), float(self.active))]
+        values = {"active_requests": own, **gauges}
         for name, help_text in GAUGES.items():
             lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} gauge"]
-            lines.append(f"{PREFIX}{name} {values[name]}")
+            lines += [f"{PREFIX}{name}{_labels(lb)} {v:g}" for lb, v in values.get(name, [])]
+        for name, (help_text, _) in HISTOGRAMS.items():
+            lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} histogram"]
+            for (n, lb), hist in sorted(self.histograms.items(), key=lambda kv: kv[0]):
+                if n == name:
+                    lines += hist.lines(f"{PREFIX}{name}", lb)
         return "\n".join(lines) + "\n"

@@ -250,6 +250,19 @@ class RequestBase(ABC):
         m.inc("requests_total", path=self.meta.path if self.succeeded else "failed")
         m.inc("relay_tokens_total", self.meta.relay_tokens)
         m.inc("main_tokens_total", self.meta.main_tokens)
+        if self.meta.wan_kv_bytes:
+            m.inc("wan_kv_bytes_total", self.meta.wan_kv_bytes)
+        self._observe_latency()
+
+    def _observe_latency(self) -> None:
+        first, end = self.meta.timings.get("first_token"), self.meta.timings.get("end")
+        if not self.succeeded or first is None:
+            return
+        path = self.meta.path
+        self.ctx.metrics.observe("ttft_seconds", first, path=path)
+        tokens = self.meta.relay_tokens + self.meta.main_tokens
+        if end is not None and tokens > 1:
+            self.ctx.metrics.observe("tpot_seconds", (end - first) / (tokens - 1), path=path)
 
     # --- what the flows provide ---------------------------------------------------------------
 
