@@ -7,6 +7,7 @@ would have produced them. MD's continuation must equal the colocated output.
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -187,6 +188,19 @@ class Parked:
         return self.result
 
 
+def md_waiting(dep: Deployment, expected: int) -> int:
+    """The requests waiting on MD as its /v1/loads tells the routers, once it is `expected` (the
+    scheduler republishes it every few ms while busy) or after 10 s."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        with urllib.request.urlopen(f"{dep.main.url}/v1/loads?include=core", timeout=30) as r:
+            loads = json.loads(r.read())["loads"]
+        waiting = sum(int(load["num_waiting_reqs"]) for load in loads)
+        if waiting == expected or time.monotonic() > deadline:
+            return waiting
+        time.sleep(0.05)
+
+
 def reference(dep: Deployment, ids: list[int]) -> list[int]:
     return generate(dep.colocated.url, {"input_ids": ids, "sampling_params": SAMPLING})[
         "output_ids"
@@ -198,6 +212,7 @@ def test_extend_handoff_continues_like_colocated(deployment: Deployment, k: int)
     ids = random_ids(300, seed=k)
     ref = reference(deployment, ids)
     parked = Parked(deployment, ids)
+    assert md_waiting(deployment, 1) == 1  # parked: counted in MD's load for the routers
     assert parked.ready.prompt_len == 300
     assert parked.ready.first_token == ref[0]  # P's first token travelled with the KV
     cached = parked.ready.cached_len  # a fresh prompt: nothing, bar a chance first token
@@ -205,6 +220,7 @@ def test_extend_handoff_continues_like_colocated(deployment: Deployment, k: int)
     assert parked.ready.wan_kv_bytes == (300 - cached) * 1024  # tiny, float32: 1 KB per token
     deployment.send(Handoff(rid=parked.rid, start=0, tokens=tuple(ref[:k])))
     assert parked.output()["output_ids"] == ref
+    assert md_waiting(deployment, 0) == 0
 
 
 @without_gpu("`auto` runs pdd's Triton kernel there, not SGLang's attention")

@@ -37,9 +37,23 @@ def main_decode(scheduler: Any) -> MainDecode | None:
     return md or None
 
 
+# This process's MainDecode (one scheduler per process), for the load report's hook.
+_process_md: list[MainDecode] = []
+
+
 def _after_init(result: None, scheduler: Any, *args: Any, **kwargs: Any) -> None:
     # Made at start-up on every rank: a follower must be able to dispatch the first broadcast.
-    main_decode(scheduler)
+    md = main_decode(scheduler)
+    if md is not None:
+        _process_md.append(md)
+
+
+def _after_get_loads(result: Any, inquirer: Any, *args: Any, **kwargs: Any) -> Any:
+    # Parked requests wait outside SGLang's queues but are MD's work to come (and hold KV):
+    # routers balancing on /v1/loads must see them.
+    if _process_md:
+        result.num_waiting_reqs += len(_process_md[0].parked)
+    return result
 
 
 def _after_poll_timeout_aborts(result: list[Any], scheduler: Any) -> list[Any]:
@@ -110,4 +124,6 @@ HOOKS = (
     Hook(f"{_SCHED}.process_batch_result", _around_process_batch_result, HookType.AROUND),
     Hook(f"{_SCHED}.is_fully_idle", _after_is_fully_idle, HookType.AFTER),
     Hook(f"{_SCHED}.abort_request", _after_abort_request, HookType.AFTER),
+    Hook("sglang.srt.managers.scheduler_components.load_inquirer.SchedulerLoadInquirer."
+         "get_loads", _after_get_loads, HookType.AFTER),
 )  # fmt: skip
