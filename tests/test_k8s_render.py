@@ -86,6 +86,9 @@ def test_each_tier_gets_its_pdd_flags_and_chips(base: Path) -> None:
     assert "--pdd-control-port 7500 --pdd-secret-file /etc/pdd/control.secret" in md
     assert md.endswith("--pdd-wan-flows 16")  # the spec's extra_args
     assert "--nnodes" not in md
+    pod = md_sts["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert {"name": "NCCL_SOCKET_IFNAME", "value": "eth0"} in pod["containers"][0]["env"]
     [container] = md_sts["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "8"}
     rld = find(out["a"], "StatefulSet", "pdd-relay-0")
@@ -177,6 +180,7 @@ BAD = {
     ),  # fmt: skip
     "unknown datacenter": (lambda: _set(example(), "main", "datacenter", "c"), "main.datacenter"),
     "md unreachable": (lambda: _set(example(), "main", "wan_addresses", []), "main.wan_addresses"),
+    "env not strings": (lambda: _set(example(), "main", "env", {"A": 1}), "main.env"),
     "wrong address count": (
         lambda: _set(example(), "prefill", "wan_addresses", ["p0"]),
         "prefill.wan_addresses",

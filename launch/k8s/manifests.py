@@ -143,6 +143,7 @@ def _server(spec: Spec, tier: Tier, i: int) -> list[Obj]:
         "env": [
             # Mooncake tells its peers this address: the pod's own, routable across the WAN.
             {"name": "SGLANG_HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            *({"name": k, "value": v} for k, v in tier.env.items()),
         ],
         "ports": ports,
         "resources": {"limits": chips, "requests": chips},
@@ -164,7 +165,8 @@ def _server(spec: Spec, tier: Tier, i: int) -> list[Obj]:
             "selector": {"matchLabels": selector},
             "template": {
                 "metadata": {"labels": selector},
-                "spec": {"containers": [container], "volumes": volumes},
+                "spec": {"containers": [container], "volumes": volumes}
+                | ({"nodeSelector": tier.node_selector} if tier.node_selector else {}),
             },
         },
     }

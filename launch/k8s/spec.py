@@ -51,6 +51,10 @@ class Tier:
     # Per instance, the address the other datacenter reaches it at (empty: in-cluster DNS).
     wan_addresses: tuple[str, ...]
     extra_args: tuple[str, ...]
+    # Which nodes carry this tier's chips (e.g. a GPU product label), and extra environment
+    # (NCCL or Mooncake settings, say).
+    node_selector: dict[str, str]
+    env: dict[str, str]
 
     @property
     def nodes(self) -> int:
@@ -163,7 +167,18 @@ def _tier(role: str, doc: Any, datacenters: dict[str, Datacenter]) -> Tier:
         control_port=_port(doc, "control_port", role) if role == "main" else None,
         wan_addresses=wan,
         extra_args=_strings(doc, "extra_args", role),
+        node_selector=_string_map(doc, "node_selector", role),
+        env=_string_map(doc, "env", role),
     )
+
+
+def _string_map(doc: dict[str, Any], key: str, where: str) -> dict[str, str]:
+    value = doc.get(key, {})
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise SpecError(f"{where}.{key}", "must map strings to strings (quote numbers)")
+    return dict(value)
 
 
 def _secret(doc: dict[str, Any], base: Path) -> bytes:
