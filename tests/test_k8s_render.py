@@ -36,6 +36,7 @@ def multi_node() -> dict[str, Any]:
     doc = example()
     doc["main"]["tp"] = 16
     doc["prefill"]["tp"] = 4
+    doc["model"]["path"] = "/models/Qwen 2.5"
     return doc
 
 
@@ -146,11 +147,14 @@ def test_multi_node_instance_takes_its_node_rank_from_the_pod_ordinal(base: Path
     command = sglang_command(sts)
     assert "--tp-size 16 " in command
     assert "--nnodes 2 --dist-init-addr pdd-main-0-0.pdd-main-0-nodes.pdd.svc:5000" in command
-    # Run the pod's shell line with `echo` as SGLang: pod 1 of the StatefulSet is node rank 1.
-    line = command.replace("exec python3", "exec echo python3")
+    # Run the pod's shell line with `printf` as SGLang, an argument per line: pod 1 of the
+    # StatefulSet is node rank 1, and a model path with a space stays one argument.
+    line = command.replace("exec python3", "exec printf '%s\\n' python3")
     env = {**os.environ, "HOSTNAME": "pdd-main-0-1"}
     run = subprocess.run(["/bin/sh", "-c", line], env=env, capture_output=True, text=True)
-    assert run.returncode == 0 and "--node-rank 1" in run.stdout
+    argv = run.stdout.splitlines()
+    assert run.returncode == 0 and argv[argv.index("--node-rank") + 1] == "1", run
+    assert argv[argv.index("--model-path") + 1] == "/models/Qwen 2.5"
     p = find(out["a"], "StatefulSet", "pdd-prefill-0")
     assert p["spec"]["replicas"] == 1 and "--nnodes" not in sglang_command(p)
     [container] = p["spec"]["template"]["spec"]["containers"]

@@ -11,6 +11,7 @@ advertises its own pod IP as the address MD sends READY and ACK to.
 from __future__ import annotations
 
 import base64
+import shlex
 from typing import Any
 
 from pdd.launch.k8s.spec import Spec, Tier
@@ -22,6 +23,7 @@ MODEL_DIR = "/models"
 # A first load of a large model (weights from a network volume) can take many minutes.
 STARTUP_S = 1800
 PROBE_PERIOD_S = 10
+NODE_RANK = "<node rank>"  # in a pod's command line: its ordinal, which the shell substitutes
 
 
 def _meta(spec: Spec, name: str, namespace: str, role: str) -> Obj:
@@ -86,7 +88,7 @@ def _server_args(spec: Spec, tier: Tier, name: str, ns: str) -> list[str]:
     if tier.nodes > 1:
         dist = f"{name}-0.{name}-nodes.{ns}.svc:{spec.dist_init_port}"
         args += ["--nnodes", str(tier.nodes), "--dist-init-addr", dist]
-        args += ["--node-rank", "$(NODE_RANK)"]  # the pod's ordinal, set by the shell below
+        args += ["--node-rank", NODE_RANK]
     return args + list(tier.extra_args)
 
 
@@ -114,7 +116,7 @@ def _server(spec: Spec, tier: Tier, i: int) -> list[Obj]:
     argv = _server_args(spec, tier, name, ns)
     # The shell turns the pod's ordinal into SGLang's --node-rank, then becomes SGLang.
     script = "NODE_RANK=${HOSTNAME##*-} && exec " + " ".join(
-        a.replace("$(NODE_RANK)", "$NODE_RANK") for a in argv
+        '"$NODE_RANK"' if a == NODE_RANK else shlex.quote(a) for a in argv
     )
     ports = [{"name": "http", "containerPort": tier.port}]
     if tier.bootstrap_port is not None:
