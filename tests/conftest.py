@@ -6,11 +6,13 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 
 from pdd.launch.pd_local import LocalPD, format_seconds
 from pdd.launch.process import free_port, stop_groups
+from pdd.launch.router import RouterService
 from pdd.launch.servers import DTYPE_ENV, SGLangServer
 
 # Every server a test starts runs in float32, so greedy outputs of different paths cannot differ
@@ -40,19 +42,27 @@ def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("wide"), WIDE)
 
 
+class Deployment(Protocol):
+    def up(self) -> dict[str, float]: ...
+    def pgids(self) -> dict[str, int]: ...
+
+
 @contextmanager
-def serving(colocated: SGLangServer, pd: LocalPD) -> Iterator[None]:
-    """Starts a colocated reference server and a PD deployment together; stops both after."""
+def serving(colocated: SGLangServer, pd: Deployment, *routers: RouterService) -> Iterator[None]:
+    """Starts a colocated reference server and a deployment together, then any more routers
+    over the deployment's servers; stops them all after."""
     colocated.start()
     try:
         times = pd.up()
+        for router in routers:
+            router.start()
+            times[router.name] = router.wait_ready()
         times["colocated"] = colocated.wait_ready()
         print(f"start-up seconds: {format_seconds(times)}")
         yield
     finally:
         groups = list(pd.pgids().values())
-        if colocated.process is not None:
-            groups.append(colocated.process.pgid)
+        groups += [p.process.pgid for p in (colocated, *routers) if p.process is not None]
         stop_groups(groups)
 
 

@@ -25,11 +25,12 @@ import pytest
 
 from pdd.launch.pd_local import generate
 from pdd.launch.pdd_deploy import PDDDeployment
-from pdd.launch.process import free_port, stop_groups
+from pdd.launch.process import free_port
 from pdd.launch.router import RouterService
 from pdd.launch.servers import SGLangServer
 from pdd.launch.testbed import Testbed
 from pdd.launch.wan import LinkParams
+from tests.conftest import serving
 from tests.marks import needs_root
 from tests.test_pd_same_dc import random_ids
 
@@ -69,18 +70,10 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     second = RouterService("router-b", free_port(), run_dir, [pdd.prefill], [pdd.relay],
                            [pdd.main], tb.placement("a"), path="pdd",
                            extra_args=list(tokenizer))  # fmt: skip
-    colocated.start()
     try:
-        times = pdd.up()
-        second.start()
-        second.wait_ready()
-        times["colocated"] = colocated.wait_ready()
-        print(f"start-up seconds: {times}")
-        yield Setup(colocated, pdd, second, tiny_model)
+        with serving(colocated, pdd, second):
+            yield Setup(colocated, pdd, second, tiny_model)
     finally:
-        groups = [*pdd.pgids().values()]
-        groups += [p.process.pgid for p in (colocated, second) if p.process is not None]
-        stop_groups(groups)
         tb.down()
 
 

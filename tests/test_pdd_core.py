@@ -17,11 +17,12 @@ import pytest
 from pdd.eval.client import stream_generate
 from pdd.launch.pd_local import generate
 from pdd.launch.pdd_deploy import PDDDeployment
-from pdd.launch.process import free_port, stop_groups
+from pdd.launch.process import free_port
 from pdd.launch.router import RouterService
 from pdd.launch.servers import SGLangServer
 from pdd.launch.testbed import Testbed
 from pdd.launch.wan import LinkParams
+from tests.conftest import serving
 from tests.marks import needs_root
 from tests.test_pd_same_dc import random_ids
 
@@ -74,18 +75,10 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                     "--catchup-threshold", "8", "--catchup-max-chunks", "4",
                     "--md-feed-after-tokens", "40", *RELAY_PACE],
     )  # fmt: skip
-    colocated.start()
     try:
-        times = pdd.up()
-        catchup.start()
-        catchup.wait_ready()
-        times["colocated"] = colocated.wait_ready()
-        print(f"start-up seconds: {times}")
-        yield Setup(tb, colocated, pdd, catchup)
+        with serving(colocated, pdd, catchup):
+            yield Setup(tb, colocated, pdd, catchup)
     finally:
-        groups = [*pdd.pgids().values()]
-        groups += [p.process.pgid for p in (colocated, catchup) if p.process is not None]
-        stop_groups(groups)
         tb.down()
 
 

@@ -55,15 +55,20 @@ def _labels(labels: Labels) -> str:
     return "{" + inner + "}"
 
 
+def _key(name: str, labels: dict[str, str]) -> tuple[str, Labels]:
+    return name, tuple(sorted(labels.items()))
+
+
 @dataclass
 class Histogram:
     buckets: Sequence[float]
-    counts: list[int] = field(default_factory=list)  # per bucket, not cumulative; last: +Inf
+    counts: list[int] = field(init=False)  # per bucket, not cumulative; last: +Inf
     total: float = 0.0
 
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
     def observe(self, value: float) -> None:
-        if not self.counts:
-            self.counts = [0] * (len(self.buckets) + 1)
         self.counts[bisect_left(self.buckets, value)] += 1
         self.total += value
 
@@ -85,16 +90,16 @@ class Metrics:
 
     def inc(self, name: str, value: int = 1, **labels: str) -> None:
         assert name in HELP, name
-        self.counters[(name, tuple(sorted(labels.items())))] += value
+        self.counters[_key(name, labels)] += value
 
     def observe(self, name: str, value: float, **labels: str) -> None:
-        key = (name, tuple(sorted(labels.items())))
+        key = _key(name, labels)
         if key not in self.histograms:
             self.histograms[key] = Histogram(HISTOGRAMS[name][1])
         self.histograms[key].observe(value)
 
     def get(self, name: str, **labels: str) -> int:
-        return self.counters[(name, tuple(sorted(labels.items())))]
+        return self.counters[_key(name, labels)]
 
     def snapshot(self) -> dict[str, int]:
         return {f"{n}{_labels(lb)}": v for (n, lb), v in sorted(self.counters.items())}
