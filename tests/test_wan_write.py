@@ -8,7 +8,16 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pdd.srt.wan_write import MAX_PIECE, MIN_PIECE, PENDING_PER_FLOW, piece_size, pieces, write
+from pdd.srt.wan_write import (
+    MAX_FLOWS,
+    MAX_PIECE,
+    MIN_PIECE,
+    PENDING_PER_FLOW,
+    flows_for,
+    piece_size,
+    pieces,
+    write,
+)
 
 MIB = 1 << 20
 
@@ -30,8 +39,17 @@ def test_pieces_cover_every_byte_once_in_order() -> None:
 def test_piece_size_aims_at_one_per_flow_within_bounds() -> None:
     assert piece_size(64 * MIB, 16) == 4 * MIB  # 16 pieces: one per flow
     assert len(pieces([(0, 0, 64 * MIB)], 16)) == 16
-    assert piece_size(1024 * MIB, 1) == MAX_PIECE  # not one 1 GiB piece
+    assert piece_size(128 * MIB, 1) == 128 * MIB  # one lane: one piece, one round trip
+    assert piece_size(4096 * MIB, 1) == MAX_PIECE
     assert piece_size(100, 16) == MIN_PIECE  # a small write stays whole
+
+
+def test_flows_for_fills_twice_the_bandwidth_delay_product() -> None:
+    # 1.5 Gbit/s at 80 ms: 15 MB in flight; 2 MB windows need 15 flows, 64 MB windows one
+    assert flows_for(1.5e9, 0.08, 2 * MIB) == 15
+    assert flows_for(1.5e9, 0.08, 64 * MIB) == 1
+    assert flows_for(100e9, 0.05, 4 * MIB) == MAX_FLOWS  # never more than Mooncake's lanes
+    assert flows_for(10e6, 0.04, 64 << 10) == 2  # the demo's scaled link
 
 
 @dataclass

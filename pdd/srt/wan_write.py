@@ -4,6 +4,7 @@ the why). Plain Mooncake calls: the benchmarks use the same code as the servers.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections import deque
@@ -12,8 +13,10 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-MIN_PIECE = 1 << 20  # a piece costs its lane a round trip for the receiver's ack: not smaller
-MAX_PIECE = 64 << 20
+# A piece costs its lane 1-2 round trips (request and the receiver's ack), so a write makes one
+# piece per lane: 16 pieces of 8 MiB on one lane took 3.4x as long as one of 128 MiB.
+MIN_PIECE = 1 << 20
+MAX_PIECE = 1 << 30
 PENDING_PER_FLOW = 4  # submitted, unfinished pieces per lane: lanes never wait for work
 POLL_SLEEP_S = (0.0002, 0.01)  # the poll's sleep grows from the first to the second
 ADMISSION_TIMEOUT_S = 120.0  # Mooncake may queue a piece this long before a lane takes it
@@ -33,8 +36,16 @@ def mooncake_env(n: int) -> dict[str, str]:
     }
 
 
+def flows_for(rate_bit_s: float, rtt_s: float, window_bytes: int) -> int:
+    """The TCP flows that fill a link: twice its bandwidth-delay product over one flow's window
+    (a flow averages well under its full window: slow start, ack clocking), 1-MAX_FLOWS. More
+    flows than needed hurt: their bursts overrun the bottleneck's queue and they finish unevenly."""
+    bdp = rate_bit_s * rtt_s / 8
+    return max(1, min(MAX_FLOWS, math.ceil(2 * bdp / window_bytes)))
+
+
 def piece_size(total: int, n: int) -> int:
-    """About one piece per lane (each piece costs its lane an ack round trip), 1-64 MiB."""
+    """One piece per lane, 1 MiB-1 GiB."""
     return max(MIN_PIECE, min(MAX_PIECE, -(-total // n)))
 
 
