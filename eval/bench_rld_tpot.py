@@ -10,8 +10,11 @@ on P -> RLD -> MD (`pdd_path: pdd`). With the defaults MD's KV takes ~25 s to cr
 decodes all 300 tokens in a few seconds, so every RLD token of the second request is made while
 P sends MD's KV (and MD receives it). Nothing but waiting on the network should cost CPU then:
 RLD should decode as fast as alone. The table shows RLD's time per output token from the
-streamed chunks' arrival times and the cores each server's processes used while RLD decoded;
-the last line is `rld tpot ratio X` (P -> RLD -> MD over P -> RLD, medians; target <= 1.3).
+streamed chunks' arrival times and the cores each server's processes used while RLD decoded,
+and P's and MD's scheduler processes alone (while RLD decodes on P -> RLD -> MD they only wait on
+the WAN: each should cost well under a tenth of a core); its first row is the same servers with
+no request at all, the floor under the others. The last line is `rld tpot ratio X` (P -> RLD ->
+MD over P -> RLD, medians; target <= 1.3).
 
 What it stands for: a WAN far slower than the datacenter's compute, the case PDD is for (a
 1000-token prompt of a 32 KB/token model is 32 MB of KV: ~25 s at 10 Mbit/s, as 3 GB of a
@@ -22,15 +25,14 @@ as servers would share a host's.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from pdd.eval.client import Streamed, stream_generate
+from pdd.eval.cpu import SCHEDULER_TITLE, CpuSampler, Watched
 from pdd.eval.prompts import random_ids
 from pdd.launch.cli import command_parser
 from pdd.launch.pdd_deploy import PDDDeployment
@@ -40,9 +42,8 @@ from pdd.launch.wan import LinkParams
 from pdd.models.kv import DTYPE_BYTES, kv_bytes_per_token
 
 TARGET = 1.3
-SAMPLE_S = 0.2
 PATHS = {"relay": "P->RLD", "pdd": "P->RLD->MD"}
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+IDLE_S = 10.0
 
 
 @dataclass
@@ -52,47 +53,6 @@ class Run:
     tpot_s: float  # RLD's time per output token
     seconds: float
     cores: dict[str, float]  # each server's processes: CPU seconds per second while RLD decodes
-
-
-def group_cpu_s(pgid: int) -> float:
-    """CPU seconds (user + system) so far of the live processes in process group `pgid`."""
-    total = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if int(fields[2]) == pgid:  # fields from the state on: state ppid pgrp ...
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / CLK_TCK
-
-
-class CpuSampler(threading.Thread):
-    """CPU seconds of each process group, sampled every SAMPLE_S."""
-
-    def __init__(self, pgids: dict[str, int]) -> None:
-        super().__init__(daemon=True)
-        self.pgids = pgids
-        self.samples: list[tuple[float, dict[str, float]]] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while True:
-            self.samples.append(
-                (time.monotonic(), {k: group_cpu_s(g) for k, g in self.pgids.items()})
-            )
-            if self.stop.wait(SAMPLE_S):
-                return
-
-    def cores(self, start: float, end: float) -> dict[str, float]:
-        """Cores each group used over the sampled span that covers [start, end]."""
-        before = max((s for s in self.samples if s[0] <= start), default=self.samples[0])
-        after = min((s for s in self.samples if s[0] >= end), default=self.samples[-1])
-        dt = max(after[0] - before[0], 1e-9)
-        return {k: (after[1][k] - before[1][k]) / dt for k in self.pgids}
 
 
 def relay_window(out: Streamed, relay_tokens: int) -> tuple[tuple[int, float], tuple[int, float]]:
@@ -109,11 +69,31 @@ def relay_window(out: Streamed, relay_tokens: int) -> tuple[tuple[int, float], t
     return first, last
 
 
-def one(dep: PDDDeployment, path: str, ids: list[int], max_new: int) -> Run:
+def watched(dep: PDDDeployment) -> dict[str, Watched]:
+    """Every server's processes, and P's and MD's schedulers alone: with RLD decoding, each of
+    those two only waits on the WAN."""
     parts: dict[str, HttpService] = {"P": dep.prefill, "RLD": dep.relay, "MD": dep.main,
                                      "router": dep.router}  # fmt: skip
-    pgids = {k: v.process.pgid for k, v in parts.items() if v.process is not None}
-    sampler = CpuSampler(pgids)
+    out = {k: Watched(v.process.pgid) for k, v in parts.items() if v.process is not None}
+    for k in ("P", "MD"):
+        if k in out:
+            out[f"{k} sched"] = Watched(out[k].pgid, SCHEDULER_TITLE)
+    return out
+
+
+def idle(dep: PDDDeployment, seconds: float) -> Run:
+    """The CPU every server costs with no request at all: the floor under the other rows."""
+    sampler = CpuSampler(watched(dep))
+    sampler.start()
+    start = time.monotonic()
+    time.sleep(seconds)
+    sampler.stop.set()
+    sampler.join()
+    return Run("idle", 0, float("nan"), seconds, sampler.cores(start, start + seconds))
+
+
+def one(dep: PDDDeployment, path: str, ids: list[int], max_new: int) -> Run:
+    sampler = CpuSampler(watched(dep))
     sampler.start()
     sampling = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
     start = time.monotonic()
@@ -138,8 +118,9 @@ def table(runs: list[Run]) -> str:
         + " ".join(f"{n + ' CPU':>10}" for n in names)
     ]
     for r in runs:
+        tpot = "-" if r.path == "idle" else f"{r.tpot_s * 1000:.1f} ms"
         lines.append(
-            f"{r.path:<11} {r.relay_tokens:>10} {r.tpot_s * 1000:>6.1f} ms {r.seconds:>8.1f} "
+            f"{r.path:<11} {r.relay_tokens:>10} {tpot:>9} {r.seconds:>8.1f} "
             + " ".join(f"{r.cores[n]:>10.2f}" for n in names)
         )
     return "\n".join(lines)
@@ -182,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
             args.model.resolve(), args.run_dir, a, b, server_args=("--dtype", args.dtype)
         )
         dep.up()
-        runs = []
+        runs = [idle(dep, IDLE_S)]
         for k in range(args.rounds):
             for path in ("relay", "pdd"):
                 ids = random_ids(args.prompt, seed=1000 * k + len(path), vocab_size=vocab)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pdd.eval.client import stream_generate
+from pdd.eval.cpu import SCHEDULER_TITLE, CpuSampler, Watched
 from pdd.launch.pd_local import generate
 from pdd.launch.pdd_deploy import PDDDeployment
 from pdd.launch.process import free_port
@@ -29,6 +30,9 @@ from tests.test_pd_same_dc import random_ids
 RATE_MBIT = 100.0
 DELAY_MS = 20.0  # one way: RTT 40 ms
 SLOW_MBIT = 0.625
+# A scheduler that only waits on the WAN: well under a tenth of a core measured; one that spins
+# takes a whole one.
+WAITING_CORES = 0.25
 MAX_NEW = 48
 # The routers pass RLD's tokens on at most one per 30 ms, so 200 tokens take RLD 6 s: MD is
 # ready long before, however fast the tiny model decodes on a given machine.
@@ -122,6 +126,35 @@ def test_request_ending_on_relay_equals_colocated_and_cancels_md(setup: Setup) -
     assert got["output_ids"] == ref
     meta = pdd_meta(got)
     assert meta["relay_tokens"] == 2 and meta["handoff_mode"] is None, meta
+
+
+def test_schedulers_wait_without_spinning_while_kv_crosses(setup: Setup) -> None:
+    """P -> MD over a slow link: P's scheduler sends the KV, MD's waits for it, and neither has
+    anything else to do meanwhile."""
+    ids = random_ids(700, seed=47)  # 700 KB of the tiny model's KV: ~9 s at 0.625 Mbit/s
+    ref = setup.reference(ids)
+    schedulers = {name: Watched(server.process.pgid, SCHEDULER_TITLE)
+                  for name, server in (("P", setup.pdd.prefill), ("MD", setup.pdd.main))
+                  if server.process is not None}  # fmt: skip
+    sampler = CpuSampler(schedulers)
+    setup.tb.set_rate(SLOW_MBIT)
+    sampler.start()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(generate, setup.pdd.url, body(ids, pdd_path="main"), 120)
+            start = time.monotonic()
+            time.sleep(6)  # P has prefilled (well under a second) and is sending
+            cores = sampler.cores(start + 2, start + 6)
+            got = answer.result()
+    finally:
+        setup.tb.restore()
+        sampler.stop.set()
+        sampler.join()
+    assert got["output_ids"] == ref
+    wan_s = pdd_meta(got)["wan_kv_bytes"] * 8 / (SLOW_MBIT * 1e6)
+    assert wan_s > 6, f"the KV crossed in {wan_s:.1f} s: the window did not see it in flight"
+    print(f"scheduler cores while KV crosses: {cores}")
+    assert len(cores) == 2 and all(c < WAITING_CORES for c in cores.values()), cores
 
 
 def test_streamed_equals_non_streamed(setup: Setup) -> None:
