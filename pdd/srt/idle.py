@@ -21,7 +21,7 @@ from sglang.srt.plugins.hook_registry import HookType
 from pdd.srt.flags import PddConfig
 from pdd.srt.hooks import Hook
 
-TICK_MS = 100  # a fallback only: new input and every KV status change wake the loop at once
+TICK_MS = 25  # MD's cache-sync flush rides the loop: a longer tick delays the router's view
 FOLLOWER_TICK_MS = 1
 _wake_fd: int | None = None
 
