@@ -91,6 +91,8 @@ class PddRequest(HandoffFlow, ResumeFlow):
         return min(deadlines)
 
     def _handle(self, event: Any) -> list[Output]:
+        if isinstance(event, (StreamChunk, StreamEnd)) and event.rid != self._current_rid(event):
+            return []  # a call the request has moved on from (e.g. MD's before a resume on MD)
         if isinstance(event, StreamChunk):
             if event.source == "relay":
                 return self._on_relay_chunk(event.chunk)
@@ -102,6 +104,9 @@ class PddRequest(HandoffFlow, ResumeFlow):
         if isinstance(event, Received):
             return self._on_control(event)
         raise TypeError(f"unknown event {event!r}")
+
+    def _current_rid(self, event: StreamChunk | StreamEnd) -> str:
+        return self.relay_rid if event.source == "relay" else self.main_rid
 
     def _on_tick(self) -> list[Output]:
         now = time.monotonic()

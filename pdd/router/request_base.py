@@ -163,6 +163,8 @@ class RequestBase(ABC):
         self.tasks[which] = self.ctx.spawn(run())
 
     def _stream(self, source: str, url: str, body: dict, role: str) -> None:
+        rid = str(body["rid"])
+
         async def run() -> None:
             try:
                 gen = stream_generate(self.ctx.session, url, body, self.cfg.timeouts, role)
@@ -170,14 +172,14 @@ class RequestBase(ABC):
                 async for chunk in gen:
                     if source == "relay" and self.cfg.relay_pace_s > 0:
                         await pace(chunk, start, self.cfg.relay_pace_s)
-                    self.events.put_nowait(StreamChunk(source, chunk))
-                self.events.put_nowait(StreamEnd(source, None))
+                    self.events.put_nowait(StreamChunk(source, chunk, rid))
+                self.events.put_nowait(StreamEnd(source, None, rid))
             except UpstreamError as err:
                 self._upstream_failed(source, err)
-                self.events.put_nowait(StreamEnd(source, err))
+                self.events.put_nowait(StreamEnd(source, err, rid))
             except Exception as err:
                 logger.exception("request %s: %s stream failed", self.rid, role)
-                self.events.put_nowait(StreamEnd(source, UpstreamError(502, repr(err))))
+                self.events.put_nowait(StreamEnd(source, UpstreamError(502, repr(err)), rid))
 
         self.tasks[source] = self.ctx.spawn(run())
 
