@@ -235,12 +235,13 @@ def test_rtt_within_2ms(testbed: Testbed) -> None:
 
 @needs_root
 def test_only_the_wan_joins_the_datacenters(testbed: Testbed) -> None:
+    # Medians of five: one echo alone can be late on a busy 2-core machine (CI saw 6.8 ms).
     with udp_echo(testbed, client_side=None) as probe:
-        from_root = probe()
+        from_root = median_rtt(probe, 5)
     with udp_echo(testbed, client_side="b") as probe:
-        inside_b = probe()
-    assert from_root is not None and from_root < 5, "the root namespace reaches B unshaped"
-    assert inside_b is not None and inside_b < 5, "inside a datacenter the path is unshaped"
+        inside_b = median_rtt(probe, 5)
+    assert from_root < 5, "the root namespace reaches B unshaped"
+    assert inside_b < 5, "inside a datacenter the path is unshaped"
     sock = socket_in(testbed, "a", socket.SOCK_DGRAM)
     with pytest.raises(OSError, match="unreachable"), sock:
         sock.sendto(b"x", (testbed.mgmt_ip("b"), 9))  # no path from A to B but the WAN
