@@ -34,14 +34,14 @@ class RelayState(Enum):
 class StreamChunk:
     source: str  # "relay" | "main"
     chunk: dict[str, Any]
-    rid: str = ""  # the call's request id: a resumed side's old call must not count
+    rid: str  # the call's request id: a resumed side's old call must not count
 
 
 @dataclass(frozen=True)
 class StreamEnd:
     source: str
     error: UpstreamError | None
-    rid: str = ""
+    rid: str
 
 
 @dataclass(frozen=True)
