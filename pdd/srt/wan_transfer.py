@@ -1,7 +1,8 @@
 """KV writes over Mooncake's TCP transport: several TCP flows per request, and no spinning.
 
-SGLang's Mooncake sender hands each chunk of a request's KV to one
-`batch_transfer_sync_write`, which has two costs across a WAN:
+SGLang's Mooncake sender hands each chunk of a request's KV to one synchronous batch write
+(`MooncakeTransferEngine.batch_transfer_sync`; with unequal TP, one per layer's head slices, on
+several threads at once), which has two costs across a WAN:
 - Mooncake's TCP transport gives each entry of a batch to one of the peer's connections
   ("lanes", `MC_TCP_LANES_PER_PEER`, at most 16) and never splits an entry, so a request whose
   KV is a few large blocks rides one or two TCP flows. A flow carries at most its window per
@@ -72,15 +73,24 @@ def _sysctl_max(key: str) -> int | None:
         return None
 
 
-def _around_transfer_data(
-    original: Any, manager: Any, session: str, blocks: Sequence[Block], *args: Any, **kw: Any
+def _around_batch_transfer_sync(
+    original: Any,
+    engine: Any,
+    session: str,
+    buffers: Sequence[int],
+    peer_addresses: Sequence[int],
+    lengths: Sequence[int],
 ) -> int:
-    if not blocks or not tcp_transport():
-        return int(original(manager, session, blocks, *args, **kw))
-    return write(manager.engine.engine, session, blocks, flows())
+    if not buffers or not tcp_transport():
+        return int(original(engine, session, buffers, peer_addresses, lengths))
+    blocks: list[Block] = list(zip(buffers, peer_addresses, lengths, strict=True))
+    return write(engine.engine, session, blocks, flows())
 
 
+# SGLang's own wrapper of the Mooncake engine: every KV and aux write of its Mooncake connector
+# (whole pages, and the head slices of unequal TP) goes through it.
 HOOKS = (
-    Hook("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._transfer_data",
-         _around_transfer_data, HookType.AROUND),
+    Hook("sglang.srt.distributed.device_communicators.mooncake_transfer_engine."
+         "MooncakeTransferEngine.batch_transfer_sync", _around_batch_transfer_sync,
+         HookType.AROUND),
 )  # fmt: skip

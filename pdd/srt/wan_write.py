@@ -31,7 +31,7 @@ def mooncake_env(n: int) -> dict[str, str]:
     return {
         "MC_TCP_ENABLE_CONNECTION_POOL": "1",
         "MC_TCP_LANES_PER_PEER": str(n),
-        "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65536",
+        "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",  # its most
         "MC_TCP_ADMISSION_TIMEOUT_MS": str(int(ADMISSION_TIMEOUT_S * 1000)),
     }
 
