@@ -79,7 +79,7 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         slow_main=RouterService("router_slow_main", free_port(), run_dir, main=[main], **tiers,
                                 path="pdd",
                                 extra_args=["--md-feed-after-tokens", "100000",
-                                            "--ready-timeout", "1"]),
+                                            "--ready-timeout", "1", *RELAY_PACE]),
     )  # fmt: skip
     try:
         for s in d.servers():
@@ -234,8 +234,9 @@ def test_unreachable_md_leaves_the_request_to_relay(
 def test_md_not_ready_in_time_leaves_the_request_to_relay(
     deployment: Deployment, reference: list[list[int]]
 ) -> None:
-    # Long enough that RLD is still decoding when the 1 s READY deadline passes.
-    ids, max_new = prompts()[1], 400
+    # RLD's pace makes its 200 tokens last 6 s, so it is still decoding when the 1 s READY
+    # deadline passes (unpaced, a fast CI machine's RLD made 400 in under a second).
+    ids, max_new = prompts()[1], 200
     body = {"input_ids": ids, "sampling_params": sampling(max_new=max_new)}
     expected = generate(deployment.colocated.url, body)["output_ids"]
     got = through(deployment.slow_main, ids, "pdd", max_new=max_new)

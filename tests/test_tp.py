@@ -7,7 +7,9 @@ On a CPU the two ranks of each server share this machine's cores (gloo all-reduc
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from pdd.control.channel import ControlSocket
 from pdd.control.messages import Handoff
 from pdd.control.secret import read_secret
 from pdd.eval.client import flush_cache, stream_generate
+from pdd.eval.cpu import SCHEDULER_TITLE, CpuSampler, Watched
 from pdd.launch.pd_local import generate
 from pdd.launch.pdd_deploy import PDDDeployment
 from pdd.launch.process import free_port, stop_groups
@@ -27,7 +30,15 @@ from pdd.launch.wan import LinkParams
 from tests import test_main_decode as md_harness
 from tests.marks import needs_root
 from tests.test_pd_same_dc import random_ids
-from tests.test_pdd_core import LONG_NEW, RELAY_PACE, body, pdd_meta
+from tests.test_pdd_core import (
+    LONG_NEW,
+    MAX_NEW,
+    RELAY_PACE,
+    SLOW_MBIT,
+    WAITING_CORES,
+    body,
+    pdd_meta,
+)
 
 TP2 = ("--tp-size", "2")
 # MD holds handoffs for this long after the first, so those arriving together share a forward.
@@ -172,6 +183,39 @@ def test_eight_handoffs_ready_together_run_as_one_extend_forward_on_every_rank(
     for rank, sizes in after.items():
         new = sizes[len(before.get(rank, [])) :]
         assert new == [TOGETHER], (rank, new)
+
+
+def test_head_slices_from_p_at_tp2_cross_without_spinning(setup: Setup) -> None:
+    """P at TP 2 -> MD at TP 1 over a slow link: each P rank writes its heads of each token and
+    layer as separate entries from one thread per layer, and neither side spins meanwhile."""
+    ids = random_ids(500, seed=7400)  # 500 KB of the tiny model's KV: ~6.4 s at 0.625 Mbit/s
+    ref = setup.reference(ids, MAX_NEW)
+    schedulers = {name: Watched(server.process.pgid, SCHEDULER_TITLE)
+                  for name, server in (("P", setup.pdd.prefill), ("MD", setup.main_tp1))
+                  if server.process is not None}  # fmt: skip
+    sampler = CpuSampler(schedulers)
+    setup.tb.set_rate(SLOW_MBIT)
+    sampler.start()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(generate, setup.mixed.url,
+                                 body(ids, MAX_NEW, pdd_path="main"), 120)  # fmt: skip
+            start = time.monotonic()
+            time.sleep(5)  # P has prefilled (well under a second) and is sending
+            cores = sampler.cores(start + 1.5, start + 5)
+            got = answer.result()
+    finally:
+        setup.tb.restore()
+        sampler.stop.set()
+        sampler.join()
+    assert got["output_ids"] == ref
+    meta = pdd_meta(got)
+    assert meta["path"] == "P->MD", meta
+    wan_s = meta["wan_kv_bytes"] * 8 / (SLOW_MBIT * 1e6)
+    assert wan_s > 5, f"the KV crossed in {wan_s:.1f} s: the window did not see it in flight"
+    print(f"scheduler cores while head slices cross: {cores}")
+    # P's two ranks together, MD's one: each rank well under a quarter of a core.
+    assert cores["P"] < 2 * WAITING_CORES and cores["MD"] < WAITING_CORES, cores
 
 
 def test_no_kv_slot_leaked_on_any_rank(setup: Setup) -> None:
