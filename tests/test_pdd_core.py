@@ -128,33 +128,46 @@ def test_request_ending_on_relay_equals_colocated_and_cancels_md(setup: Setup) -
     assert meta["relay_tokens"] == 2 and meta["handoff_mode"] is None, meta
 
 
+def cores_while_kv_crosses(
+    tb: Testbed, p: SGLangServer, md: SGLangServer, router_url: str, request: dict
+) -> tuple[dict, dict[str, float]]:
+    """Sends `request` P -> MD with the link at SLOW_MBIT; returns the answer and the cores P's
+    and MD's scheduler processes used from 2 to 6 s after it was sent (P has prefilled well
+    before and is sending). Checks that the KV was still crossing at the window's end."""
+    schedulers = {name: Watched(server.process.pgid, SCHEDULER_TITLE)
+                  for name, server in (("P", p), ("MD", md))
+                  if server.process is not None}  # fmt: skip
+    sampler = CpuSampler(schedulers)
+    tb.set_rate(SLOW_MBIT)
+    sampler.start()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(generate, router_url, {**request, "pdd_path": "main"}, 120)
+            start = time.monotonic()
+            time.sleep(6)
+            cores = sampler.cores(start + 2, start + 6)
+            got = answer.result()
+    finally:
+        tb.restore()
+        sampler.stop.set()
+        sampler.join()
+    meta = pdd_meta(got)
+    assert meta["path"] == "P->MD", meta
+    wan_s = meta["wan_kv_bytes"] * 8 / (SLOW_MBIT * 1e6)
+    assert wan_s > 6, f"the KV crossed in {wan_s:.1f} s: the window did not see it in flight"
+    assert len(cores) == 2, cores
+    return got, cores
+
+
 def test_schedulers_wait_without_spinning_while_kv_crosses(setup: Setup) -> None:
     """P -> MD over a slow link: P's scheduler sends the KV, MD's waits for it, and neither has
     anything else to do meanwhile."""
     ids = random_ids(700, seed=47)  # 700 KB of the tiny model's KV: ~9 s at 0.625 Mbit/s
-    ref = setup.reference(ids)
-    schedulers = {name: Watched(server.process.pgid, SCHEDULER_TITLE)
-                  for name, server in (("P", setup.pdd.prefill), ("MD", setup.pdd.main))
-                  if server.process is not None}  # fmt: skip
-    sampler = CpuSampler(schedulers)
-    setup.tb.set_rate(SLOW_MBIT)
-    sampler.start()
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(generate, setup.pdd.url, body(ids, pdd_path="main"), 120)
-            start = time.monotonic()
-            time.sleep(6)  # P has prefilled (well under a second) and is sending
-            cores = sampler.cores(start + 2, start + 6)
-            got = answer.result()
-    finally:
-        setup.tb.restore()
-        sampler.stop.set()
-        sampler.join()
-    assert got["output_ids"] == ref
-    wan_s = pdd_meta(got)["wan_kv_bytes"] * 8 / (SLOW_MBIT * 1e6)
-    assert wan_s > 6, f"the KV crossed in {wan_s:.1f} s: the window did not see it in flight"
+    got, cores = cores_while_kv_crosses(setup.tb, setup.pdd.prefill, setup.pdd.main,
+                                        setup.pdd.url, body(ids))  # fmt: skip
+    assert got["output_ids"] == setup.reference(ids)
     print(f"scheduler cores while KV crosses: {cores}")
-    assert len(cores) == 2 and all(c < WAITING_CORES for c in cores.values()), cores
+    assert all(c < WAITING_CORES for c in cores.values()), cores
 
 
 def test_streamed_equals_non_streamed(setup: Setup) -> None:

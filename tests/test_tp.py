@@ -7,9 +7,7 @@ On a CPU the two ranks of each server share this machine's cores (gloo all-reduc
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +17,6 @@ from pdd.control.channel import ControlSocket
 from pdd.control.messages import Handoff
 from pdd.control.secret import read_secret
 from pdd.eval.client import flush_cache, stream_generate
-from pdd.eval.cpu import SCHEDULER_TITLE, CpuSampler, Watched
 from pdd.launch.pd_local import generate
 from pdd.launch.pdd_deploy import PDDDeployment
 from pdd.launch.process import free_port, stop_groups
@@ -34,9 +31,9 @@ from tests.test_pdd_core import (
     LONG_NEW,
     MAX_NEW,
     RELAY_PACE,
-    SLOW_MBIT,
     WAITING_CORES,
     body,
+    cores_while_kv_crosses,
     pdd_meta,
 )
 
@@ -188,31 +185,10 @@ def test_eight_handoffs_ready_together_run_as_one_extend_forward_on_every_rank(
 def test_head_slices_from_p_at_tp2_cross_without_spinning(setup: Setup) -> None:
     """P at TP 2 -> MD at TP 1 over a slow link: each P rank writes its heads of each token and
     layer as separate entries from one thread per layer, and neither side spins meanwhile."""
-    ids = random_ids(500, seed=7400)  # 500 KB of the tiny model's KV: ~6.4 s at 0.625 Mbit/s
-    ref = setup.reference(ids, MAX_NEW)
-    schedulers = {name: Watched(server.process.pgid, SCHEDULER_TITLE)
-                  for name, server in (("P", setup.pdd.prefill), ("MD", setup.main_tp1))
-                  if server.process is not None}  # fmt: skip
-    sampler = CpuSampler(schedulers)
-    setup.tb.set_rate(SLOW_MBIT)
-    sampler.start()
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(generate, setup.mixed.url,
-                                 body(ids, MAX_NEW, pdd_path="main"), 120)  # fmt: skip
-            start = time.monotonic()
-            time.sleep(5)  # P has prefilled (well under a second) and is sending
-            cores = sampler.cores(start + 1.5, start + 5)
-            got = answer.result()
-    finally:
-        setup.tb.restore()
-        sampler.stop.set()
-        sampler.join()
-    assert got["output_ids"] == ref
-    meta = pdd_meta(got)
-    assert meta["path"] == "P->MD", meta
-    wan_s = meta["wan_kv_bytes"] * 8 / (SLOW_MBIT * 1e6)
-    assert wan_s > 5, f"the KV crossed in {wan_s:.1f} s: the window did not see it in flight"
+    ids = random_ids(600, seed=7400)  # 600 KB of the tiny model's KV: ~7.7 s at 0.625 Mbit/s
+    got, cores = cores_while_kv_crosses(setup.tb, setup.pdd.prefill, setup.main_tp1,
+                                        setup.mixed.url, body(ids))  # fmt: skip
+    assert got["output_ids"] == setup.reference(ids, MAX_NEW)
     print(f"scheduler cores while head slices cross: {cores}")
     # P's two ranks together, MD's one: each rank well under a quarter of a core.
     assert cores["P"] < 2 * WAITING_CORES and cores["MD"] < WAITING_CORES, cores
