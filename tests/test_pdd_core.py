@@ -37,6 +37,9 @@ MAX_NEW = 48
 # The routers pass RLD's tokens on at most one per 30 ms, so 200 tokens take RLD 6 s: MD is
 # ready long before, however fast the tiny model decodes on a given machine.
 LONG_NEW = 200
+# For a test that needs MD to take part whatever the machine: 18 s of paced RLD (fresh-clone
+# CIs saw RLD end LONG_NEW's 6 s before MD was ready); MD decodes the rest fast.
+HANDOFF_NEW = 3 * LONG_NEW
 RELAY_PACE = ("--relay-pace-ms", "30")
 
 pytestmark = needs_root
@@ -171,9 +174,7 @@ def test_schedulers_wait_without_spinning_while_kv_crosses(setup: Setup) -> None
 
 
 def test_streamed_equals_non_streamed(setup: Setup) -> None:
-    # 600 paced RLD tokens (18 s): a fresh-clone CI once saw RLD end its 200 (6 s) before MD
-    # was ready, right after the slow-link test; MD decodes the rest fast.
-    ids, max_new = random_ids(900, seed=43), 3 * LONG_NEW
+    ids, max_new = random_ids(900, seed=43), HANDOFF_NEW  # right after the slow-link test
     whole = generate(setup.pdd.url, body(ids, max_new=max_new))
     chunks = stream_generate(setup.pdd.url, body(ids, max_new=max_new)).chunks
     assert chunks[-1]["output_ids"] == whole["output_ids"]

@@ -28,6 +28,7 @@ from tests import test_main_decode as md_harness
 from tests.marks import needs_root
 from tests.test_pd_same_dc import random_ids
 from tests.test_pdd_core import (
+    HANDOFF_NEW,
     LONG_NEW,
     MAX_NEW,
     RELAY_PACE,
@@ -41,7 +42,6 @@ TP2 = ("--tp-size", "2")
 # MD holds handoffs for this long after the first, so those arriving together share a forward.
 BATCH_MS = 400
 TOGETHER = 8
-MIXED_NEW = 600
 
 pytestmark = needs_root
 
@@ -137,11 +137,9 @@ def test_p_at_tp2_feeds_an_md_at_tp1(setup: Setup, path: str) -> None:
     # Short: with unequal TP, SGLang's Mooncake connector moves each token's head slice of each
     # layer as its own transfer (send_kvcache_slice); an 800-token prompt, 3200 writes across
     # the 40 ms-RTT WAN, once exceeded Mooncake's 30 s transfer timeout on a loaded 2-core CI.
-    # RLD's pace gives MD MIXED_NEW x 30 ms to get the KV before RLD would finish alone; a
-    # fresh-clone CI once took longer than LONG_NEW's 6 s. MD decodes the rest fast.
     ids = random_ids(120, seed=7200 + len(path))
-    got = generate(setup.mixed.url, body(ids, MIXED_NEW, pdd_path=path))
-    assert got["output_ids"] == setup.reference(ids, MIXED_NEW)
+    got = generate(setup.mixed.url, body(ids, HANDOFF_NEW, pdd_path=path))
+    assert got["output_ids"] == setup.reference(ids, HANDOFF_NEW)
     assert pdd_meta(got)["main_tokens"] > 0, pdd_meta(got)
 
 
