@@ -8,38 +8,47 @@ import pytest
 
 from pdd.policy.balance import pick_by_prefix, pick_least_loaded
 from pdd.policy.path import PathPolicy, Signals, auto_path, choose_path, transfer_seconds
-from pdd.router.estimates import RelaySpeed, direct_wan_seconds, wan_estimate
+from pdd.router.estimates import STALE_S, RelaySpeed, direct_wan_seconds, wan_estimate
 from pdd.router.health import Health
 from pdd.router.prefix_index import PrefixIndex
 
-POLICY = PathPolicy(direct_max_s=0.25, relay_max_load=8, relay_only_max_load=4, margin=1.5)
+POLICY = PathPolicy(ttft_sla_s=3.0, relay_max_load=8, relay_only_share=0.5, margin=1.5)
 
 
 def sig(**kw: object) -> Signals:
     base: dict = {"prompt_tokens": 4000, "max_new_tokens": 200, "md_cached_tokens": 0,
-                  "transfer_s": 2.0, "relay_decode_s": 6.0, "relay_load": 1}  # fmt: skip
+                  "transfer_s": 2.0, "relay_decode_s": 6.0, "relay_load": 1,
+                  "prefill_s": 1.5}  # fmt: skip
     return Signals(**{**base, **kw})
 
 
 @pytest.mark.parametrize(
     "signals, path, why",
     [
-        # 95% cached on MD: the suffix arrives in 0.1 s, no relay needed.
-        (sig(md_cached_tokens=3800, transfer_s=0.1), "main", "high hit"),
-        # Low hit, long answer: RLD hides the 2 s transfer, then hands off.
+        # 95% cached on MD: P 0.2 s + the suffix 0.1 s meets the 3 s SLA, no relay needed.
+        (sig(md_cached_tokens=3800, transfer_s=0.1, prefill_s=0.2), "main", "meets the SLA"),
+        # Low hit, long answer: P 1.5 s + 2 s of KV misses the SLA; RLD hides it, hands off.
         (sig(), "pdd", "low hit"),
+        # The same at 1.4 s of KV: 2.9 s meets the SLA, MD decodes from the first token.
+        (sig(transfer_s=1.4), "main", "meets the SLA"),
         # Low hit, 4-token answer: RLD is done in 0.12 s, long before the KV (2 s): singular.
         (sig(max_new_tokens=4, relay_decode_s=0.12), "relay", "singular"),
-        # ...unless relay-only traffic already fills its share of RLD.
+        # ...also when P->MD would meet the SLA: no WAN for an answer RLD makes alone.
+        (sig(max_new_tokens=4, relay_decode_s=0.12, transfer_s=0.5), "relay", "singular"),
+        # ...unless relay-only traffic already fills its share (half of 8) of RLD.
         (sig(max_new_tokens=4, relay_decode_s=0.12, relay_load=4), "pdd", "low hit"),
-        # RLD overloaded: everything else goes straight to MD.
-        (sig(relay_load=8), "main", "RLD overloaded"),
-        (sig(relay_load=8, max_new_tokens=4, relay_decode_s=0.12), "main", "RLD overloaded"),
-        # A high hit beats RLD's load: it never needed RLD.
-        (sig(relay_load=8, transfer_s=0.05), "main", "high hit"),
+        # RLD full (its own capacity when reported, else the policy's): P->MD above the SLA.
+        (sig(relay_load=8), "main", "RLD full (8/8)"),
+        (sig(relay_load=2, relay_capacity=2), "main", "RLD full (2/2)"),
+        (sig(relay_load=8, relay_capacity=16), "pdd", "low hit"),
+        (sig(relay_load=8, max_new_tokens=4, relay_decode_s=0.12), "main", "RLD full"),
+        # Meeting the SLA beats RLD's load: it never needed RLD.
+        (sig(relay_load=8, transfer_s=0.05), "main", "meets the SLA"),
         # Nothing measured yet (first requests): the safe path.
         (sig(transfer_s=None, relay_decode_s=None), "pdd", "unknown"),
         (sig(relay_decode_s=None, max_new_tokens=2), "pdd", "low hit"),
+        # P's compute unknown: the transfer alone is the prediction.
+        (sig(prefill_s=None), "main", "first token in ~2.00s"),
         # Close call: RLD 1.5 s x margin 1.5 > 2 s transfer: not surely first, keep MD.
         (sig(relay_decode_s=1.5), "pdd", "low hit"),
         # A tier missing.
@@ -52,6 +61,13 @@ def test_auto_path(signals: Signals, path: str, why: str) -> None:
     assert choice.path == path and why in choice.reason, choice
 
 
+def test_without_the_guard_a_full_rld_still_takes_low_hit_requests() -> None:
+    unguarded = PathPolicy(ttft_sla_s=3.0, relay_max_load=8, guard=False)
+    assert auto_path(sig(relay_load=8), unguarded).path == "pdd"
+    assert auto_path(sig(relay_load=30), unguarded).path == "pdd"
+    assert auto_path(sig(relay_load=8), POLICY).path == "main"
+
+
 def test_no_tier_at_all_is_an_error() -> None:
     with pytest.raises(ValueError, match="no RLD and no MD"):
         auto_path(sig(relay_load=None, md_available=False), POLICY)
@@ -61,7 +77,7 @@ def test_requested_paths_win_and_blockers_keep_handoffs_away() -> None:
     assert choose_path("main", "auto", [], sig()).reason == "requested"
     assert choose_path(None, "pdd", []).reason == "default"
     assert choose_path(None, "auto", ["return_logprob"], sig()).path == "relay"
-    assert choose_path(None, "auto", ["n"], sig(transfer_s=0.1)).path == "main"
+    assert choose_path(None, "auto", ["n"], sig(transfer_s=0.1, prefill_s=0.1)).path == "main"
     with pytest.raises(ValueError, match="needs the request's signals"):
         choose_path(None, "auto", [])
     with pytest.raises(ValueError, match="must be one of"):
@@ -70,7 +86,9 @@ def test_requested_paths_win_and_blockers_keep_handoffs_away() -> None:
 
 def test_policy_bounds_are_checked() -> None:
     with pytest.raises(ValueError):
-        PathPolicy(relay_max_load=4, relay_only_max_load=5)
+        PathPolicy(relay_only_share=1.5)
+    with pytest.raises(ValueError):
+        PathPolicy(ttft_sla_s=0)
     with pytest.raises(ValueError):
         PathPolicy(margin=0.5)
 
@@ -116,6 +134,31 @@ def test_wan_estimate_of_one_transfer_size_predicts_that_size() -> None:
         cached.observe(0, 0, 0.2)  # fully cached prompts: only the fixed cost
     assert cached.overhead_s == pytest.approx(0.2)
     assert cached.bytes_per_s is None
+
+
+def test_wan_estimate_leaves_out_a_stall_but_follows_a_link_that_changed() -> None:
+    est = wan_estimate(None)
+    for i in range(8):
+        est.observe(3_200_000 * (1 + i % 3), 100 * (1 + i % 3), 0.05 + 3.2e6 * (1 + i % 3) / 12.5e6)
+    before = est.to_dict()["mbit_per_s"]
+    # One transfer 10x slower (a stall, a queue on P): left out, the estimate stands.
+    assert not est.observe(3_200_000, 100, 3.0)
+    assert est.to_dict()["mbit_per_s"] == before
+    # Slow again and again: the link itself changed; the third in a row is learnt.
+    assert not est.observe(3_200_000, 100, 3.0)
+    assert est.observe(3_200_000, 100, 3.0)
+    assert est.to_dict()["mbit_per_s"] < before
+
+
+def test_a_stale_wan_estimate_asks_for_one_probe_per_interval() -> None:
+    est = wan_estimate(None)
+    assert not est.wants_probe(1000.0)  # nothing learnt yet: every path measures
+    est.observe(3_200_000, 100, 0.3, now=10.0)
+    assert not est.wants_probe(10.0 + STALE_S - 1)
+    assert est.wants_probe(10.0 + STALE_S + 1)
+    est.probed(10.0 + STALE_S + 1)
+    assert not est.wants_probe(10.0 + STALE_S + 2)  # one probe in flight is enough
+    assert est.wants_probe(10.0 + 2 * STALE_S + 2)
 
 
 def test_p_to_md_teaches_the_wan_only_when_ps_compute_is_a_small_part() -> None:

@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from pdd.launch.process import free_port
-from pdd.router.server_loads import Load, requests_reported
+from pdd.router.server_loads import Load, capacity_reported, requests_reported
 from tests.aio_apps import serving
 
 
@@ -23,6 +23,17 @@ def test_reported_requests_sum_running_and_waiting_over_dp_ranks() -> None:
     assert requests_reported(answer((3, 1), (2, 0))) == 6
     with pytest.raises(ValueError):
         requests_reported({"loads": []})
+
+
+def test_capacity_is_what_sglang_resolved_over_dp_ranks() -> None:
+    states = [
+        {"effective_max_running_requests_per_dp": 4},
+        {"effective_max_running_requests_per_dp": 4},
+    ]
+    assert capacity_reported({"internal_states": states, "max_running_requests": None}) == 8
+    assert capacity_reported({"internal_states": [], "max_running_requests": 16}) == 16
+    with pytest.raises(ValueError):
+        capacity_reported({"internal_states": [], "max_running_requests": None})
 
 
 def test_without_a_report_the_router_counts_its_own_requests() -> None:
@@ -43,8 +54,13 @@ def test_the_servers_report_replaces_the_routers_count() -> None:
             return web.json_response({"error": "expected include=core"}, status=400)
         return web.json_response(reports[0])
 
+    async def info(request: web.Request) -> web.Response:
+        states = [{"effective_max_running_requests_per_dp": 8}]
+        return web.json_response({"internal_states": states})
+
     app = web.Application()
     app.router.add_get("/v1/loads", loads)
+    app.router.add_get("/server_info", info)
     url = f"http://127.0.0.1:{port}"
     load = Load([0])
     load.hold(0)  # one of ours, sent before the question: the report has it
@@ -55,7 +71,7 @@ def test_the_servers_report_replaces_the_routers_count() -> None:
 
     with serving([(app, port)]):
         asyncio.run(poll())
-        assert (load.reported, load.value(0)) == ([7], 7)
+        assert (load.reported, load.value(0), load.capacity) == ([7], 7, [8])
         load.hold(0)  # sent after the report: counted on top until the next one
         assert load.value(0) == 8
         reports[0] = answer((1, 0))

@@ -46,8 +46,13 @@ def tier(n: int = 1, max_batch: int = 128) -> Tier:
     return Tier(CHIP_A, n, 1, max_batch, costs=COSTS)
 
 
+# P's 1 s plus 1 s of KV for a fresh 1000-token prompt misses this SLA: such a prompt is low hit.
+TOY_POLICY = PathPolicy(ttft_sla_s=1.5)
+
+
 def toy(kind: str, **kw: object) -> ClusterConfig:
-    base = ClusterConfig(kind, tier(), tier(), tier() if kind == "pdd" else None, TOY, LINK)
+    base = ClusterConfig(kind, tier(), tier(), tier() if kind == "pdd" else None, TOY, LINK,
+                         path_policy=TOY_POLICY)  # fmt: skip
     return replace(base, **kw)  # type: ignore[arg-type]
 
 
@@ -185,24 +190,28 @@ def test_paths_follow_auto_path() -> None:
         SimRequest(100.0, 1000, 0, 1),  # long input, one output token: singular
         SimRequest(200.0, 1000, 0, 2000),  # low hit, long answer: RLD hides the transfer
     ]
+    policy = TOY_POLICY
     results = simulate(reqs, toy("pdd")).results
     assert [r.path for r in results] == ["main", "relay", "pdd"]
     # The same decisions from auto_path itself, with the signals worked out by hand: transfer
-    # = suffix x 1e6 B / 1e9 B/s; RLD's time = its batch-1 step (1e9 B / 1e12 = 1 ms +
-    # 1 token's KV) x the output; RLD idle.
+    # = suffix x 1e6 B / 1e9 B/s; P's compute 1 ms per uncached token; RLD's time = its
+    # batch-1 step (1e9 B / 1e12 = 1 ms + 1 token's KV) x the output; RLD idle.
     step = COSTS.decode_step_s(1, 0)
     for r in reqs:
         t = transfer_seconds(r.prompt_tokens - r.cached_tokens, 1e6, 1e9, 0.0)
         s = Signals(r.prompt_tokens, r.output_tokens, r.cached_tokens, t,
-                    step * r.output_tokens, 0)  # fmt: skip
-        assert auto_path(s, PathPolicy()).path == results[reqs.index(r)].path
+                    step * r.output_tokens, 0, prefill_s=1e-3 * max(1, r.prompt_tokens -
+                    r.cached_tokens))  # fmt: skip
+        assert auto_path(s, policy).path == results[reqs.index(r)].path
     relay = results[1]
     assert relay.wan_bytes == 0 and relay.tokens == {"P": 1, "RLD": 0, "MD": 0}
-    # A full RLD sends everything else to MD.
-    busy = simulate(
-        reqs[2:], toy("pdd", path_policy=PathPolicy(relay_max_load=0, relay_only_max_load=0))
-    )
-    assert busy.results[0].path == "main"
+    # The same request meets the default 3 s SLA on P->MD: MD decodes it from the start.
+    assert simulate(reqs[2:], toy("pdd", path_policy=PathPolicy())).results[0].path == "main"
+    # RLD full (one slot, as its server reports): the second low-hit request goes to MD.
+    pair = [SimRequest(200.0, 1000, 0, 2000), SimRequest(200.0, 1000, 0, 2000)]
+    small = replace(tier(), max_batch=1)
+    busy = simulate(pair, toy("pdd", relay=small)).results
+    assert [r.path for r in busy] == ["pdd", "main"], [r.reason for r in busy]
 
 
 def test_extend_handoff_and_rld_share_by_hand() -> None:

@@ -192,13 +192,14 @@ def analytic_capacity(
         for i, (r, t) in enumerate(zip(sample, prefill, strict=True)):
             transfer = (r.prompt_tokens - hit(r)) * kvb / link.flow_bytes_per_s
             s = Signals(r.prompt_tokens, r.output_tokens, hit(r), transfer + link.rtt_ms / 2000,
-                        tpot * r.output_tokens, 0)  # fmt: skip
+                        tpot * r.output_tokens, 0, prefill_s=t,
+                        relay_capacity=c.relay.max_batch)  # fmt: skip
             paths[i] = auto_path(s, c.path_policy).path if c.path == "auto" else c.path
             direct = t + transfer + 2 * link.mean_one_way_s()
             if paths[i] != "main" and direct > sla.ttft_s / 2:
                 held += min(transfer + link.rtt_ms / 1000, r.output_tokens * tpot)
         if held > 0:
-            bounds["RLD"] = c.relay.instances * c.path_policy.relay_max_load / (held / n)
+            bounds["RLD"] = c.relay.instances * c.relay.max_batch / (held / n)
     on_md = [r for r, p in zip(sample, paths, strict=True) if p != "relay"]
     if on_md:
         reserve = sum(r.prompt_tokens + r.output_tokens for r in on_md) / len(on_md)

@@ -52,7 +52,7 @@ from pdd.eval.sim.config import TIERS, ClusterConfig, Sla
 from pdd.eval.sim.costs import StepCosts
 from pdd.eval.sim.requests import SimRequest, as_sim_request
 from pdd.eval.sim.results import RequestResult, SimResult, summarize
-from pdd.eval.sim.tiers import Decode, Prefill, RequestState, Slot
+from pdd.eval.sim.tiers import Decode, Prefill, RequestState, Slot, prefill_job
 from pdd.eval.sim.wan import Wan
 from pdd.policy.balance import pick_least_loaded
 from pdd.policy.handoff import choose_mode, next_step, relay_finishes
@@ -129,6 +129,8 @@ class Simulation:
                 transfer_s=self.wan_est[st.md].transfer_s(req.prompt_tokens - st.md_hit),
                 relay_decode_s=self.relay_speed.decode_s(req.output_tokens),
                 relay_load=self.load["RLD"][st.rld],
+                prefill_s=self.p[st.p].costs.prefill_s(*prefill_job(req)),
+                relay_capacity=cfg.relay.max_batch if cfg.relay is not None else None,
             )
             choice = choose_path(None, cfg.path, [], signals, cfg.path_policy)
             st.path, st.reason = choice.path, choice.reason

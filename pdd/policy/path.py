@@ -1,13 +1,17 @@
 """Which path a request takes: P->RLD->MD ("pdd"), P->RLD ("relay") or P->MD ("main").
 
-Pure functions (the router and the simulator share them). `auto` decides from what the router
-knows before sending: MD's cached prefix of the prompt (cache sync), the estimated time for the
-uncached suffix's KV to reach MD (measured WAN bandwidth and latency), how long RLD would take
-to produce the whole answer, and RLD's load:
-- P->MD when the suffix arrives fast enough (high hit): no relay needed;
+Pure functions (the router and the simulator share them). `auto` is SLA-aware, as the paper's
+policy is: MD, in the other datacenter, should decode almost everything, and RelayDecode (RLD),
+a small tier beside P, only hides the WAN for the requests that need it. From what the router
+knows before sending (MD's cached prefix of the prompt, P's compute, the measured WAN, RLD's
+load and capacity):
 - P->RLD when RLD would finish before the KV reached MD ("singular" traffic: long uncached
-  input, short output), unless relay-only traffic already fills its share of RLD;
-- P->RLD->MD otherwise (RLD hides the transfer), unless RLD is overloaded: then P->MD.
+  input, short output), while relay-only traffic holds less than its share of RLD;
+- P->MD whenever its predicted time to first token (P's compute + the uncached suffix's KV
+  crossing to MD) meets the TTFT SLA: high-hit requests, whose small suffix crosses quickly;
+- P->RLD->MD otherwise (low hit: RLD hides the transfer, then hands off), unless RLD is full:
+  then P->MD even at a TTFT above the SLA. That guard is what keeps a low-hit burst from
+  overloading RLD, the paper's named collapse; it can be switched off to show that collapse.
 """
 
 from __future__ import annotations
@@ -56,16 +60,17 @@ class PathChoice:
 
 @dataclass(frozen=True)
 class PathPolicy:
-    direct_max_s: float = 0.25  # P->MD when the suffix's KV reaches MD within this
-    relay_max_load: int = 32  # an RLD with this many requests takes no new one
-    relay_only_max_load: int = 16  # relay-only traffic stops here: it must not swamp RLD
+    ttft_sla_s: float = 3.0  # P->MD when its predicted TTFT is within this
+    relay_max_load: int = 32  # RLD's capacity (requests) when its server reports none
+    relay_only_share: float = 0.5  # relay-only traffic may hold this share of RLD's capacity
     margin: float = 1.5  # RLD "finishes first" when its decode time x margin < the transfer
+    guard: bool = True  # a full RLD takes no low-hit request (off: to show the collapse)
 
     def __post_init__(self) -> None:
-        if self.direct_max_s < 0 or self.margin < 1:
-            raise ValueError("direct_max_s must be >= 0 and margin >= 1")
-        if not 0 <= self.relay_only_max_load <= self.relay_max_load:
-            raise ValueError("need 0 <= relay_only_max_load <= relay_max_load")
+        if self.ttft_sla_s <= 0 or self.margin < 1:
+            raise ValueError("ttft_sla_s must be > 0 and margin >= 1")
+        if self.relay_max_load < 0 or not 0 <= self.relay_only_share <= 1:
+            raise ValueError("need relay_max_load >= 0 and 0 <= relay_only_share <= 1")
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,15 @@ class Signals:
     relay_decode_s: float | None = None  # RLD producing all max_new_tokens; None: unknown
     relay_load: int | None = None  # requests on the chosen RLD; None: no RLD available
     md_available: bool = True
+    prefill_s: float | None = None  # P computing the prompt's uncached part; None: unknown
+    relay_capacity: int | None = None  # requests the chosen RLD runs at once, as it reports
+
+
+def direct_ttft(s: Signals) -> float | None:
+    """Predicted time to first token on P->MD: P's compute, then the suffix's KV to MD."""
+    if s.transfer_s is None:
+        return None
+    return (s.prefill_s or 0.0) + s.transfer_s
 
 
 def auto_path(s: Signals, policy: PathPolicy) -> PathChoice:
@@ -88,21 +102,22 @@ def auto_path(s: Signals, policy: PathPolicy) -> PathChoice:
         return PathChoice("relay", "no MD available")
     if s.relay_load is None:
         return PathChoice("main", "no RLD available")
-    cached = s.md_cached_tokens or 0
-    hit = f"{cached}/{s.prompt_tokens} tokens cached on MD"
-    t = s.transfer_s
-    if t is not None and t <= policy.direct_max_s:
-        return PathChoice("main", f"high hit: {hit}, the rest reaches MD in ~{t:.2f}s")
-    if s.relay_load >= policy.relay_max_load:
-        return PathChoice("main", f"RLD overloaded ({s.relay_load} requests)")
-    d = s.relay_decode_s
+    hit = f"{s.md_cached_tokens or 0}/{s.prompt_tokens} tokens cached on MD"
+    capacity = policy.relay_max_load if s.relay_capacity is None else s.relay_capacity
+    t, d = s.transfer_s, s.relay_decode_s
     if t is not None and d is not None and d * policy.margin < t:
-        if s.relay_load < policy.relay_only_max_load:
+        # The KV would cross for nothing: no WAN for answers RLD makes alone.
+        if s.relay_load < policy.relay_only_share * capacity:
             return PathChoice(
                 "relay", f"singular: RLD finishes in ~{d:.2f}s, before the KV (~{t:.2f}s)"
             )
-    when = "unknown" if t is None else f"~{t:.2f}s"
-    return PathChoice("pdd", f"low hit: {hit}, the KV reaches MD in {when}")
+    ttft = direct_ttft(s)
+    if ttft is not None and ttft <= policy.ttft_sla_s:
+        return PathChoice("main", f"meets the SLA: {hit}, first token in ~{ttft:.2f}s on P->MD")
+    when = "unknown" if ttft is None else f"~{ttft:.2f}s"
+    if policy.guard and s.relay_load >= capacity:
+        return PathChoice("main", f"RLD full ({s.relay_load}/{capacity}): {hit}, P->MD at {when}")
+    return PathChoice("pdd", f"low hit: {hit}, first token on P->MD {when}: RLD hides it")
 
 
 def choose_path(

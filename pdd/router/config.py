@@ -100,6 +100,7 @@ class RouterConfig:
     # How often the router asks each MD what its radix cache holds (also a heartbeat).
     cache_sync_interval_s: float = 5.0
     path_policy: PathPolicy = field(default_factory=PathPolicy)
+    relay_capacity: int | None = None  # requests per RLD; None: what each server reports
     health_interval_s: float = 2.0
     # How often the router asks each server for its load (SGLang's /v1/loads).
     load_interval_s: float = 0.5
@@ -132,6 +133,8 @@ class RouterConfig:
             raise ValueError(f"--path {self.path} needs at least one --main instance")
         if self.path == "auto" and not (self.relay or self.main):
             raise ValueError("--path auto needs a --relay or a --main instance")
+        if self.relay_capacity is not None and self.relay_capacity < 0:
+            raise ValueError("--relay-max-load must be >= 0")
         if self.load_interval_s <= 0:
             raise ValueError("--load-interval must be > 0")
         if self.health_interval_s <= 0 or self.prefill_index_blocks < 1 or self.prefix_slack < 0:
@@ -195,16 +198,25 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(P->RLD->MD), relay (P->RLD), main (P->MD)",
     )
     add(
-        "--direct-max-ms",
+        "--ttft-sla",
         type=float,
-        default=250.0,
-        help="auto: P->MD when the uncached suffix's KV is expected at MD within this",
+        default=PathPolicy.ttft_sla_s,
+        help="auto: the TTFT SLA in seconds; P->MD whenever its predicted first token meets it, "
+        "P->RLD->MD (RLD hides the WAN) otherwise (default %(default)s)",
     )
     add(
         "--relay-max-load",
         type=int,
-        default=32,
-        help="auto: an RLD with this many requests takes no new one (they go P->MD)",
+        default=None,
+        help="auto: requests an RLD runs at once (default: what each RLD server reports, its "
+        f"max running requests; {PathPolicy.relay_max_load} when it reports none); a full RLD "
+        "takes no new request and low-hit ones go P->MD",
+    )
+    add(
+        "--no-relay-guard",
+        action="store_true",
+        help="auto: let low-hit requests onto a full RLD (they queue there): shows the overload "
+        "the guard prevents; never in production",
     )
     add(
         "--max-active",
@@ -213,10 +225,11 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="admission control: requests in flight beyond this get 503 with Retry-After",
     )
     add(
-        "--relay-only-max-load",
-        type=int,
-        default=16,
-        help="auto: relay-only (P->RLD) traffic stops at this RLD load, so it cannot swamp RLD",
+        "--relay-only-share",
+        type=float,
+        default=PathPolicy.relay_only_share,
+        help="auto: relay-only (P->RLD) traffic stops at this share of an RLD's capacity, so it "
+        "cannot swamp RLD (default %(default)s)",
     )
     add(
         "--wan-mbit",
@@ -366,10 +379,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         relay_pace_s=args.relay_pace_ms / 1000.0,
         cache_sync_interval_s=args.cache_sync_interval,
         path_policy=PathPolicy(
-            direct_max_s=args.direct_max_ms / 1000.0,
-            relay_max_load=args.relay_max_load,
-            relay_only_max_load=args.relay_only_max_load,
+            ttft_sla_s=args.ttft_sla,
+            relay_only_share=args.relay_only_share,
+            guard=not args.no_relay_guard,
         ),
+        relay_capacity=args.relay_max_load,
         health_interval_s=args.health_interval,
         load_interval_s=args.load_interval,
         wan_mbit=args.wan_mbit,

@@ -68,6 +68,12 @@ class RouterContext:
         values = self.loads[tier].values()
         return [n if self.health.up(tier, i) else None for i, n in enumerate(values)]
 
+    def relay_capacity(self, i: int) -> int | None:
+        """Requests RLD `i` runs at once: the router's --relay-max-load, else what the server
+        reported (None until it has)."""
+        given = self.config.relay_capacity
+        return given if given is not None else self.loads["relay"].capacity[i]
+
     def pick(self, tier: str, prefixes: list[int] | None = None, fail_open: bool = False) -> int:
         """The instance a new request should use. All down: NoInstance, or with `fail_open`
         (a tier nothing can replace) any of them, and the request finds out for itself."""

@@ -16,6 +16,14 @@ WINDOW = 32  # the WAN fit weighs this many recent transfers
 # The fit separates the fixed latency from the bandwidth only over transfers of different sizes:
 # the largest at least this many times the smallest (a zero-byte READY counts as smallest).
 MIN_SPREAD = 2.0
+# A transfer this many times slower than predicted (once the fit has FIT_SAMPLES) is an outlier
+# (a stall, P's queue) and left out, unless the next ones agree: then the link itself changed.
+OUTLIER_FACTOR = 4.0
+FIT_SAMPLES = 5
+MAX_REJECTED = 2
+# An estimate with no transfer for this long is stale: the router feeds MD a request that would
+# have stayed on RLD, to measure the link again (a WAN that is not used is not learnt).
+STALE_S = 60.0
 # On P -> MD, P's estimated compute is subtracted from the time to READY; beyond this share of
 # it, the estimate's error would swamp the WAN's part.
 MAX_COMPUTE_SHARE = 0.25
@@ -43,20 +51,44 @@ class WanEstimate:
     bytes_per_s: float | None = None
     overhead_s: float = 0.0
     samples: int = 0
+    rejected: int = 0  # outliers in a row
+    last_s: float | None = None  # when the latest transfer was observed (caller's clock)
+    probe_s: float | None = None  # when the router last fed MD only to measure the link
     recent: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     def __post_init__(self) -> None:
         if self.bytes_per_s is None:
             self.bytes_per_s = self.prior_bytes_per_s
 
-    def observe(self, kv_bytes: int, kv_tokens: int, seconds: float) -> None:
+    def observe(self, kv_bytes: int, kv_tokens: int, seconds: float, now: float = 0.0) -> bool:
+        """Learns one transfer; False when it was left out as an outlier."""
         if kv_tokens > 0 and kv_bytes > 0:
             self.kv_bytes_per_token = kv_bytes / kv_tokens
         if seconds <= 0:
-            return
+            return True
+        self.last_s = now
+        bw = self.bytes_per_s
+        predicted = self.overhead_s + max(kv_bytes, 0) / bw if bw else None
+        slow = predicted is not None and seconds > OUTLIER_FACTOR * predicted
+        if slow and self.samples >= FIT_SAMPLES and self.rejected < MAX_REJECTED:
+            self.rejected += 1
+            return False
+        self.rejected = 0
         self.samples += 1
         self.recent.append((max(kv_bytes, 0), seconds))
         self._fit()
+        return True
+
+    def wants_probe(self, now: float) -> bool:
+        """The estimate is stale (no transfer for STALE_S, nor a probe): the caller should feed
+        MD one request to measure the link, and says so with `probed`."""
+        if self.last_s is None:
+            return False
+        latest = max(self.last_s, self.probe_s or self.last_s)
+        return now - latest > STALE_S
+
+    def probed(self, now: float) -> None:
+        self.probe_s = now
 
     def _fit(self) -> None:
         n = len(self.recent)
@@ -94,6 +126,7 @@ class WanEstimate:
             "mbit_per_s": None if bw is None else round(bw * 8 / 1e6, 3),
             "overhead_s": round(self.overhead_s, 4),
             "samples": self.samples,
+            "rejected_in_a_row": self.rejected,
         }
 
 

@@ -72,7 +72,10 @@ class HandoffFlow(RequestBase):
         elif "prefill_main_sent" in t:
             compute = self.ctx.prefill_speed.prefill_s(tokens)
             seconds = direct_wan_seconds(t["ready"] - t["prefill_main_sent"], compute)
-        self.ctx.wan[self.held["main"]].observe(msg.wan_kv_bytes, tokens, seconds)
+        wan = self.ctx.wan[self.held["main"]]
+        if not wan.observe(msg.wan_kv_bytes, tokens, seconds, time.monotonic()):
+            logger.info("request %s: WAN sample %.2fs for %d bytes left out as an outlier",
+                        self.rid, seconds, msg.wan_kv_bytes)  # fmt: skip
 
     def _on_ack(self, msg: Ack) -> list[Output]:
         if self.md is not MdState.CATCHUP or self.inflight is None:

@@ -7,6 +7,7 @@ least loaded. Down instances are skipped; the path policy then sees what is left
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ def plan(ctx: RouterContext, body: dict[str, Any], requested: str | None,
     hashes = None if ids is None else PromptHashes(ids)
     p_prefix = None if hashes is None else [ix.cached_prefix(hashes) for ix in ctx.prefill_index]
     prefill = ctx.pick("prefill", p_prefix, fail_open=True)
+    p_cached = 0 if p_prefix is None else p_prefix[prefill]
     md_prefix = None
     if hashes is not None:
         md_prefix = [ctx.caches.cached_prefix(t.control_addr, hashes) for t in cfg.main]
@@ -75,8 +77,17 @@ def plan(ctx: RouterContext, body: dict[str, Any], requested: str | None,
         relay_decode_s=ctx.relay_speed.decode_s(max_new),
         relay_load=None if relay is None else ctx.loads["relay"].value(relay),
         md_available=main is not None,
+        prefill_s=ctx.prefill_speed.prefill_s(max(prompt - p_cached, 0)),
+        relay_capacity=None if relay is None else ctx.relay_capacity(relay),
     )
     choice = choose_path(requested, cfg.path, blockers, signals, cfg.path_policy)
+    now = time.monotonic()
+    if choice.path == "relay" and choice.reason.startswith("singular") and main is not None:
+        wan = ctx.wan[main]
+        if wan.wants_probe(now):
+            # RLD still answers first; MD gets the KV so that the link is measured again.
+            wan.probed(now)
+            choice = PathChoice("pdd", f"{choice.reason}; WAN estimate stale: MD fed to measure")
     if choice.path == "pdd" and (relay is None or main is None):
         # One tier down: the other still serves the request, without a handoff.
         down = "RLD" if relay is None else "MD"

@@ -5,6 +5,8 @@ SGLang's `/v1/loads` gives, per data-parallel rank, the requests running and wai
 decode server the waiting include those whose KV is still in flight). Between two reports a
 router adds the requests it has sent since it asked, so a burst does not all land on the
 instance that looked idle. An instance that does not answer falls back to the router's count.
+Each instance's capacity (the requests it runs at once, as SGLang resolved it) comes from its
+`/server_info` once: the path policy keeps a small RelayDecode tier from being overfilled.
 """
 
 from __future__ import annotations
@@ -19,6 +21,18 @@ import aiohttp
 
 logger = logging.getLogger(__name__)
 LOADS_PATH = "/v1/loads?include=core"
+INFO_PATH = "/server_info"
+
+
+def capacity_reported(doc: Any) -> int:
+    """Requests the server runs at once, over every DP rank of a `/server_info` answer."""
+    states = doc.get("internal_states")
+    if isinstance(states, list) and states:
+        return sum(int(s["effective_max_running_requests_per_dp"]) for s in states)
+    value = doc.get("max_running_requests")
+    if value is None:
+        raise ValueError("no max running requests in the answer")
+    return int(value)
 
 
 def requests_reported(doc: Any) -> int:
@@ -38,12 +52,14 @@ class Load:
     # router's requests sent since that report was asked for.
     reported: list[int | None] = field(default_factory=list)
     sent_since: list[int] = field(default_factory=list)
+    capacity: list[int | None] = field(default_factory=list)  # None: not reported (yet)
     cursor: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.active)
         self.reported = self.reported or [None] * n
         self.sent_since = self.sent_since or [0] * n
+        self.capacity = self.capacity or [None] * n
 
     def value(self, i: int) -> int:
         reported = self.reported[i]
@@ -64,6 +80,8 @@ class Load:
         return i
 
     async def poll(self, session: aiohttp.ClientSession, i: int, url: str, timeout: float) -> None:
+        if self.capacity[i] is None:
+            await self._ask_capacity(session, i, url, timeout)
         before = self.sent_since[i]
         try:
             async with session.get(
@@ -79,6 +97,19 @@ class Load:
         self.reported[i] = reported
         # Those sent before the question are in the answer; later ones may not be yet.
         self.sent_since[i] = max(0, self.sent_since[i] - before)
+
+    async def _ask_capacity(
+        self, session: aiohttp.ClientSession, i: int, url: str, timeout: float
+    ) -> None:
+        try:
+            async with session.get(
+                f"{url}{INFO_PATH}", timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as resp:
+                resp.raise_for_status()
+                self.capacity[i] = capacity_reported(await resp.json())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError,
+                TypeError) as err:  # fmt: skip
+            logger.debug("%s%s failed (%r): capacity unknown for now", url, INFO_PATH, err)
 
 
 async def poll_loop(
