@@ -11,9 +11,36 @@ from pathlib import Path
 from pdd.launch.pd_local import bring_up
 from pdd.launch.process import free_port, stop_groups
 from pdd.launch.router import RouterService
-from pdd.launch.servers import LOCAL, SERVER_START_TIMEOUT_S, Placement, SGLangServer
+from pdd.launch.servers import (
+    CPU_MAX_TOTAL_TOKENS,
+    LOCAL,
+    SERVER_START_TIMEOUT_S,
+    Placement,
+    SGLangServer,
+    flag_value,
+)
 
 DECODE_CACHE_FLAG = "--disaggregation-decode-enable-radix-cache"
+# RelayDecode is a small tier beside P that only hides the WAN (the paper: 6.2% of output
+# tokens): by default it runs an eighth of MD's requests with an eighth of MD's KV pool.
+RELAY_FRACTION = 1 / 8
+MAIN_MAX_RUNNING = 64  # MD's running requests unless its arguments say otherwise
+# RLD's pool must still hold one long request (prompt and answer) of the testbed's models.
+RELAY_MIN_POOL = 4096
+
+
+def relay_capacity_args(main_args: tuple[str, ...], fraction: float) -> tuple[str, ...]:
+    """RLD's --max-running-requests and --max-total-tokens: `fraction` of MD's."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"relay_fraction must be in (0, 1], got {fraction}")
+    args = list(main_args)
+    running = flag_value(args, "--max-running-requests")
+    pool = flag_value(args, "--max-total-tokens")
+    md_running = int(running) if running else MAIN_MAX_RUNNING
+    md_pool = int(pool) if pool else CPU_MAX_TOTAL_TOKENS
+    rld_pool = min(md_pool, max(round(md_pool * fraction), RELAY_MIN_POOL))
+    return ("--max-running-requests", str(max(1, round(md_running * fraction))),
+            "--max-total-tokens", str(rld_pool))  # fmt: skip
 
 
 @dataclass
@@ -39,12 +66,16 @@ class PDDDeployment:
         server_args: tuple[str, ...] = (),
         server_env: dict[str, dict[str, str]] | None = None,
         prefills: int = 1,
+        relay_fraction: float = RELAY_FRACTION,
+        relay_args: tuple[str, ...] = (),
     ) -> PDDDeployment:
         """`a` and `b` place the two datacenters (e.g. `Testbed.placement("a")`). With
         `decode_cache`, MD keeps a radix tree of the KV it holds (SGLang's decode radix cache),
         so only the prompt suffix it lacks crosses the WAN. `server_args` go to P, RLD and MD,
         `server_env["prefill" | "relay" | "main"]` into that server's environment. `prefills` P
-        servers serve behind the router, the first one `prefill`."""
+        servers serve behind the router, the first one `prefill`. RLD runs `relay_fraction` of
+        MD's requests with that share of its KV pool (1.0: a decoder as large as MD, as same-DC
+        PD has); `relay_args` go to RLD last."""
         given = server_env or {}
         env = {role: dict(given.get(role, {})) for role in ("prefill", "relay", "main")}
         if decode_cache:
@@ -54,8 +85,12 @@ class PDDDeployment:
             bootstrap_port=free_port(), env=env["prefill"],
             extra_args=["--pdd-role", "prefill", *server_args, *prefill_args],
         ) for i in range(prefills)]  # fmt: skip
+        if "--max-running-requests" not in main_args:
+            main_args = (*main_args, "--max-running-requests", str(MAIN_MAX_RUNNING))
         relay = SGLangServer("relay", model, free_port(), run_dir, a, mode="decode",
-                             extra_args=["--pdd-role", "relay", *server_args],
+                             extra_args=["--pdd-role", "relay", *server_args,
+                                         *relay_capacity_args(main_args, relay_fraction),
+                                         *relay_args],
                              env=env["relay"])  # fmt: skip
         main = SGLangServer(
             "main", model, free_port(), run_dir, b, mode="decode",

@@ -85,7 +85,7 @@ def test_each_tier_gets_its_pdd_flags_and_chips(base: Path) -> None:
     md = sglang_command(md_sts)
     assert "--pdd-role main --disaggregation-mode decode" in md
     assert "--pdd-control-port 7500 --pdd-secret-file /etc/pdd/control.secret" in md
-    assert md.endswith("--pdd-wan-flows 16")  # the spec's extra_args
+    assert md.endswith("--pdd-wan-flows 16 --max-running-requests 128")  # the spec's extra_args
     assert "--nnodes" not in md
     pod = md_sts["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
@@ -96,6 +96,11 @@ def test_each_tier_gets_its_pdd_flags_and_chips(base: Path) -> None:
     assert rld["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] == {
         "nvidia.com/gpu": "2"
     }
+    # RLD is small: 2 chips and 32 requests against MD's 2 x 8 chips and 2 x 128 requests.
+    assert sglang_command(rld).endswith("--max-running-requests 32")
+    assert [o["metadata"]["name"] for o in out["a"] if o["kind"] == "StatefulSet"].count(
+        "pdd-relay-1"
+    ) == 0
     # The secret reaches both datacenters, with the same bytes.
     secrets = [find(out[dc], "Secret", "pdd-control")["data"] for dc in ("a", "b")]
     assert secrets[0] == secrets[1] and secrets[0]["control.secret"]
@@ -108,11 +113,9 @@ def test_router_addresses_each_instance_and_advertises_its_own_pod_ip(base: Path
     # P by its WAN name (MD in b connects to its bootstrap server), RLD in-cluster, MD over WAN.
     assert "--prefill http://p0.dc-a.example.com:30000 8998" in joined
     assert "--prefill http://p1.dc-a.example.com:30000 8998" in joined
-    assert (
-        "--relay http://pdd-relay-0.pdd.svc:30001 --relay http://pdd-relay-1.pdd.svc:30001"
-        in joined
-    )
+    assert "--relay http://pdd-relay-0.pdd.svc:30001" in joined
     assert "--main http://md0.dc-b.example.com:30002 7500" in joined
+    assert "--main http://md1.dc-b.example.com:30002 7500" in joined
     assert args[args.index("--control-advertise") + 1] == "$(POD_IP)"
     deployment = find(render(spec)["a"], "Deployment", "pdd-router")
     assert deployment["spec"]["replicas"] == 2
@@ -129,7 +132,7 @@ def test_md_control_port_admits_only_the_routers(base: Path) -> None:
     # Routers in MD's own datacenter are selected by label instead.
     doc = example()
     doc["router"]["datacenter"] = "b"
-    doc["relay"]["wan_addresses"] = ["r0.dc-a.example.com", "r1.dc-a.example.com"]
+    doc["relay"]["wan_addresses"] = ["r0.dc-a.example.com"]
     policy = find(objects(doc, base)["b"], "NetworkPolicy", "pdd-main-control")
     labels = policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
     assert labels["app.kubernetes.io/component"] == "router"

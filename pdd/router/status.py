@@ -47,7 +47,8 @@ def status_body(ctx: RouterContext, uptime_s: float) -> dict[str, Any]:
     for tier, targets in tiers.items():
         load = ctx.loads[tier]
         instances[tier] = [{**asdict(t), "active": load.active[i], "load": load.value(i),
-                            "reported_load": load.reported[i], **health[tier][i]}
+                            "reported_load": load.reported[i], "capacity": load.capacity[i],
+                            **health[tier][i]}
                            for i, t in enumerate(targets)]  # fmt: skip
     for i, est in enumerate(ctx.wan):
         instances["main"][i]["wan"] = est.to_dict()
