@@ -33,6 +33,7 @@ from pdd.eval.sim.hardware import CHIP_A, Link, Model
 from pdd.eval.sim.requests import SimRequest
 from pdd.eval.sim.results import RequestResult
 from pdd.eval.sim.simulation import simulate
+from pdd.policy.path import PathPolicy
 
 SAME_DC = "same-DC PD"
 KINDS = {  # live deployment -> simulated kind
@@ -126,12 +127,17 @@ def testbed_link(live: Mapping[str, Any]) -> Link:
     return Link(gbit_s=float(link["rate_mbit"]) / 1000, rtt_ms=2 * float(link["delay_ms"]))
 
 
-def testbed_config(kind: str, f: Fit, model: Model, link: Link) -> ClusterConfig:
-    """The testbed: 1 P and 1 MD (same-DC: D), plus 1 RLD for PDD, costing what `f` says."""
+def testbed_config(kind: str, f: Fit, model: Model, link: Link,
+                   live: Mapping[str, Any] | None = None) -> ClusterConfig:  # fmt: skip
+    """The testbed: 1 P and 1 MD (same-DC: D), plus 1 RLD for PDD, costing what `f` says, with
+    the live run's decode slots (each server's max running requests) and TTFT SLA."""
+    cap = (live or {}).get("capacity", {})
     p = Tier(CHIP_A, 1, 1, costs=f.prefill_costs(model))
-    d = Tier(CHIP_A, 1, 1, costs=f.decode_costs(model))
-    relay = d if kind == "pdd" else None
-    return ClusterConfig(kind, p, d, relay, model, link, rdma_latency_s=0.0)
+    d = Tier(CHIP_A, 1, 1, int(cap.get("main", 128)), costs=f.decode_costs(model))
+    relay = Tier(CHIP_A, 1, 1, int(cap.get("relay", 128)), costs=f.decode_costs(model))
+    policy = PathPolicy(ttft_sla_s=live_sla(live or {}).ttft_s)
+    return ClusterConfig(kind, p, d, relay if kind == "pdd" else None, model, link,
+                         path_policy=policy, rdma_latency_s=0.0)  # fmt: skip
 
 
 def live_sla(live: Mapping[str, Any]) -> LiveSla:
@@ -282,7 +288,7 @@ def calibrate(live: Mapping[str, Any]) -> Calibration:
             continue
         if len(reqs) < len(recs):
             notes.append(f"{name}: {len(recs) - len(reqs)} failed requests not replayed")
-        res = simulate(reqs, testbed_config(kind, f, model, link))
+        res = simulate(reqs, testbed_config(kind, f, model, link, live))
         sim_recs = [as_record(r, kind) for r in res.results]
         wan = int(sum(r.wan_bytes for r in res.results))
         predicted = Run(name, sim_recs, res.summary.duration_s, wan).summary(sla)
