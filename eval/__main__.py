@@ -87,7 +87,8 @@ def _trace_parser() -> argparse.ArgumentParser:
         "--scale",
         type=float,
         default=1.0,
-        help="multiply every token length (max context too), e.g. 0.05 for a small model",
+        help="multiply every prompt-side token length (max context too), e.g. 0.015 for a "
+        "small model on a CPU; decoded (output) lengths stay",
     )
     return parser
 

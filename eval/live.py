@@ -1,27 +1,42 @@
-"""Live runs on the testbed: one agentic workload through four deployments.
+"""Live runs on the testbed: one agentic workload through five deployments, at one or more rates.
 
-    python -m pdd.eval live [--model models/wide] [--requests 300] [--concurrency 2 | --rate R]
-                            [--trace FILE] [--scale 0.015] [--max-new 32] [--rate-mbit 100]
-                            [--delay-ms 20] [--ttft-sla 3] [--tpot-sla 0.5] [--dtype float32]
-                            [--out runs/live]
+    python -m pdd.eval live [--model models/wide] [--requests 40] [--rate 0.15 | --rates R1,R2,..
+                            | --concurrency N] [--trace FILE] [--scale 0.015] [--max-new 512]
+                            [--pool TOKENS] [--rate-mbit 100] [--delay-ms 20] [--ttft-sla 3]
+                            [--tpot-sla 0.5] [--dtype float32] [--out runs/live]
 
 Needs root. Brings up its own testbed (name `pddlive`): P and RelayDecode (RLD) in datacenter
 A, MainDecode (MD) in B, the PDD router in A, the emulated WAN between them. The same requests
 (an agentic trace from pdd.eval.workload, or --trace) go through, in turn:
-- same-DC PD: P -> RLD, the KV stays in datacenter A (the latency baseline);
+- same-DC PD: P -> a decoder in datacenter A with MD's capacity (an RLD sized like MD), the KV
+  stays in A (the latency baseline);
 - naive cross-DC PD: P -> MD with no decode-side cache: every prompt's KV crosses the WAN;
 - cross-DC PD + decode cache: P -> MD, only the suffix MD lacks crosses;
-- PDD: the router's path policy (P->MD, P->RLD->MD or P->RLD per request).
-Caches are flushed before each deployment's pass, so each starts cold. Reports TTFT, TPOT and
-end-to-end P50/P90/P99, SLA goodput, WAN bytes (the link's own counter), RLD's share of the
-output tokens and whether each output equals the first deployment's (greedy, so they must);
-prints a table with progress lines while it runs, and writes a markdown report, JSON and a PNG
-to --out.
+- PDD: the router's path policy (P->MD, P->RLD->MD or P->RLD per request), RLD a small pool
+  (PDDDeployment's default fraction of MD), Extend-Decode handoffs;
+- PDD catch-up: the same with Catch-Up handoffs (router --handoff-mode catchup).
+Arrivals are open loop, Poisson at --rate (or each rate of --rates; --concurrency: closed
+loop). Caches are flushed before each pass, then the trace's shared system prompts are sent
+(steady state: they are always cached in production; the trace counts them as cached).
 
-Scale: a 2-core CPU prefills ~1000x slower than a GPU, so the trace's lengths are scaled down
-(--scale: production-like contexts of 2K-128K tokens become tens to ~2K tokens) and the
-default model is `wide` (a tiny model's compute with 32 KB of KV per token, like a large model),
-so the WAN, not the CPU, decides TTFT as it does in production.
+The regime (see pdd.eval.workload and pdd.eval.live_plan): a 2-core CPU prefills ~1000x slower
+than a GPU, so prompts scale down (--scale: production's 2K-128K-token contexts become tens to
+~2K tokens); a decode step of the test models here takes about what a large model's step takes
+on a GPU, so answers keep production's lengths (hundreds of tokens, at most --max-new) and KV
+crosses the WAN while they are decoded. The default model `wide` has a tiny model's compute and
+64 KB of KV per token in float32 (a 1T-class model makes 10-80 KB), so the WAN, not the CPU,
+decides TTFT; the default link (100 Mbit/s, RTT 40 ms, a scaled TCP window per flow) stands for
+a 100 Gbit/s line with production's socket buffers, scaled 1000x. With prompts x0.015 a
+request's KV then takes ~20x longer to cross than a 50 KB/token model's over that line (the
+SLA and the answers are production's): a harsher WAN than production's. P's and MD's KV pools
+are sized to the trace's working set (2x the peak of the live sessions' prompt + answer tokens;
+--pool overrides), so MD's decode cache holds the live sessions.
+
+Reports per pass TTFT, TPOT and end-to-end P50/P90/P99, WAN bytes (the link's own counter), RLD's
+and MD's shares of the output tokens, handoffs by mode and whether each output equals the first
+deployment's (greedy, so they must); per deployment the SLA goodput (the highest rate whose
+TTFT P90 and TPOT P90 meet the SLA); writes live.md, live.json and live.png to --out, and ends
+with `pdd md share X rld share Y ttft p99 ratio Z goodput ratio W` (ratios to same-DC PD).
 """
 
 from __future__ import annotations
@@ -30,16 +45,17 @@ import argparse
 import json
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pdd.eval.client import flush_cache, stream_generate
+from pdd.eval.live_plan import TraceSpec, pool_tokens, trace_at, warmup, working_set
+from pdd.eval.live_report import Outputs, report
 from pdd.eval.replay import replay
-from pdd.eval.report import Record, Run, Sla, markdown_table, plot_runs
-from pdd.eval.trace import read_trace
-from pdd.eval.workload import TraceRequest, WorkloadConfig, generate, hit_rate_summary, materialize
+from pdd.eval.report import Record, Run, Sla
+from pdd.eval.workload import TraceRequest, hit_rate_summary, materialize
 from pdd.launch.cli import command_parser
-from pdd.launch.pdd_deploy import PDDDeployment
+from pdd.launch.pdd_deploy import RELAY_FRACTION, PDDDeployment
 from pdd.launch.process import exit_on_sigterm
 from pdd.launch.testbed import Testbed, add_flow_window_argument
 from pdd.launch.wan import LinkParams
@@ -51,58 +67,74 @@ class Deployment:
     name: str
     decode_cache: bool  # MD keeps a radix tree of the KV it holds
     path: str | None  # the path every request asks for; None: the router's auto policy
+    group: str  # deployments of one group share one set of servers and router
+    relay_fraction: float = RELAY_FRACTION  # RLD's capacity / MD's
+    handoff_mode: str | None = None  # the router's --handoff-mode; None: its default
+
+    def router_args(self) -> tuple[str, ...]:
+        return () if self.handoff_mode is None else ("--handoff-mode", self.handoff_mode)
 
 
 DEPLOYMENTS = [
-    Deployment("same-DC PD", True, "relay"),
-    Deployment("naive cross-DC PD", False, "main"),
-    Deployment("cross-DC PD + decode cache", True, "main"),
-    Deployment("PDD", True, None),
+    Deployment("same-DC PD", False, "relay", "same-dc", relay_fraction=1.0),
+    Deployment("naive cross-DC PD", False, "main", "naive"),
+    Deployment("cross-DC PD + decode cache", True, "main", "pdd", handoff_mode="extend"),
+    Deployment("PDD", True, None, "pdd", handoff_mode="extend"),
+    Deployment("PDD catch-up", True, None, "pdd-catchup", handoff_mode="catchup"),
 ]
 REQUEST_TIMEOUT_S = 600.0
 
 
-def workload(args: argparse.Namespace) -> list[TraceRequest]:
-    """The trace to replay: --trace, or a generated agentic trace scaled to this machine."""
-    if args.trace is not None:
-        return read_trace(args.trace)[: args.requests]
-    cfg = WorkloadConfig(seed=args.seed, requests=args.requests, sessions=args.sessions)
-    cfg = replace(cfg.scaled(args.scale), output_median=max(2, args.max_new // 2),
-                  output_range=(1, args.max_new))  # fmt: skip
-    return generate(cfg)
+@dataclass
+class Pace:
+    """One rate's requests (rate None: closed loop at args.concurrency)."""
+
+    rate: float | None
+    trace: list[TraceRequest]
+    prompts: list[list[int]]
 
 
-def run_pass(dep: Deployment, pdd: PDDDeployment, tb: Testbed, prompts: list[list[int]],
-             trace: list[TraceRequest], args: argparse.Namespace,
-             ) -> tuple[Run, list[list[int] | None]]:  # fmt: skip
-    """One deployment's pass over the trace: records and each request's output ids."""
-    outputs: list[list[int] | None] = [None] * len(trace)
+def request_body(ids: list[int], max_new: int, path: str | None) -> dict:
+    """Greedy, exactly `max_new` tokens (EOS ignored), on `path` (None: the router's choice)."""
+    sampling = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+    body: dict = {"input_ids": ids, "sampling_params": sampling}
+    if path is not None:
+        body["pdd_path"] = path
+    return body
+
+
+def run_pass(dep: Deployment, pdd: PDDDeployment, tb: Testbed, pace: Pace,
+             warm: list[list[int]], args: argparse.Namespace) -> tuple[Run, Outputs]:  # fmt: skip
+    """One deployment's pass over one rate's trace: records and each request's output ids."""
+    trace, prompts = pace.trace, pace.prompts
+    outputs: Outputs = [None] * len(trace)
     index = {req.id: i for i, req in enumerate(trace)}
 
     def send(req: TraceRequest) -> Record:
         i = index[req.id]
-        sampling = {"temperature": 0, "max_new_tokens": min(req.output_tokens, args.max_new),
-                    "ignore_eos": True}  # fmt: skip
-        body: dict = {"input_ids": prompts[i], "sampling_params": sampling}
-        if dep.path is not None:
-            body["pdd_path"] = dep.path
+        body = request_body(prompts[i], min(req.output_tokens, args.max_new), dep.path)
         got = stream_generate(pdd.url, body, timeout=REQUEST_TIMEOUT_S)
         final = got.final
         meta = final["meta_info"].get("pdd") or {}
         outputs[i] = list(final["output_ids"])
         return Record(len(prompts[i]), req.cached_tokens, None, len(final["output_ids"]),
                       got.ttft_s, got.total_s, meta.get("path"), meta.get("relay_tokens") or 0,
-                      meta.get("wan_kv_bytes") or 0,
-                      path_reason=meta.get("path_reason"))  # fmt: skip
+                      meta.get("wan_kv_bytes") or 0, path_reason=meta.get("path_reason"),
+                      main_tokens=meta.get("main_tokens") or 0,
+                      handoff_mode=meta.get("handoff_mode"))  # fmt: skip
 
-    for server in pdd.servers():  # each deployment's pass starts cold
+    for server in pdd.servers():  # each deployment's pass starts cold ...
         flush_cache(server.url)
     router_sees_flush(pdd.url)
+    for ids in warm:  # ... but for the system prompts, cached in steady state
+        body = request_body(ids, 1, "relay" if dep.path == "relay" else "main")
+        stream_generate(pdd.url, body, timeout=REQUEST_TIMEOUT_S)
     before = int(tb.wan.status()["counters"]["a_to_b"]["bytes"])
     start = time.monotonic()
-    pace = {"concurrency": args.concurrency} if args.rate is None else {"rate": args.rate}
-    results = replay(trace, send, **pace, timeout_s=REQUEST_TIMEOUT_S, progress_every=5,
-                     log=lambda line: print(f"[{dep.name}] {line}", flush=True))  # fmt: skip
+    loop = {"concurrency": args.concurrency} if pace.rate is None else {"speed": 1.0}
+    label = dep.name if pace.rate is None else f"{dep.name} @ {pace.rate:g}/s"
+    results = replay(trace, send, **loop, timeout_s=REQUEST_TIMEOUT_S, progress_every=5,
+                     log=lambda line: print(f"[{label}] {line}", flush=True))  # fmt: skip
     run = Run(dep.name, wall_s=time.monotonic() - start)
     run.wan_link_bytes = int(tb.wan.status()["counters"]["a_to_b"]["bytes"]) - before
     for res, req in zip(results, trace, strict=True):
@@ -111,7 +143,7 @@ def run_pass(dep: Deployment, pdd: PDDDeployment, tb: Testbed, prompts: list[lis
         else:
             run.records.append(Record(req.prompt_tokens, req.cached_tokens, res.start_s,
                                       error=res.error))  # fmt: skip
-            print(f"[{dep.name}] request {req.id} FAILED: {res.error}", flush=True)
+            print(f"[{label}] request {req.id} FAILED: {res.error}", flush=True)
     return run, outputs
 
 
@@ -143,35 +175,47 @@ def router_estimates(url: str) -> dict:
             "prefill_s_per_token": status["prefill_s_per_token"]}  # fmt: skip
 
 
-def agreement(outputs: list[list[list[int] | None]]) -> list[float]:
-    """Per deployment, the share of requests whose output equals the first deployment's."""
-    base = outputs[0]
-    shares = []
-    for outs in outputs:
-        pairs = [(o, b) for o, b in zip(outs, base, strict=True) if o is not None and b is not None]
-        shares.append(sum(o == b for o, b in pairs) / max(len(pairs), 1))
-    return shares
-
-
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = command_parser("pdd.eval live", __doc__)
     parser.add_argument("--model", type=Path, default=Path("models/wide"))
-    parser.add_argument("--trace", type=Path, default=None, help="replay this trace instead")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="replay this trace (ours or a user's JSONL) instead")  # fmt: skip
     parser.add_argument(
-        "--requests", type=int, default=300,
-        help="default %(default)s: at 120 the TTFT P99 (one or two requests) moved 20-25%% "
-        "between runs",
+        "--requests", type=int, default=40,
+        help="per pass (default %(default)s: about 5 minutes a pass at 0.15 req/s)",
     )  # fmt: skip
-    parser.add_argument("--sessions", type=int, default=4)
+    parser.add_argument("--sessions", type=int, default=6, help="agent sessions at once")
+    parser.add_argument(
+        "--turn-gap",
+        type=float,
+        default=20.0,
+        help="seconds at least between a session's turns (its answer, its tool)",
+    )
     parser.add_argument(
         "--scale", type=float, default=0.015,
-        help="token lengths of the generated trace x this (default %(default)s)",
+        help="prompt-side token lengths of the generated trace x this (default %(default)s); "
+        "answers keep production's lengths",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-new", type=int, default=32)
+    parser.add_argument(
+        "--max-new",
+        type=int,
+        default=512,
+        help="cap on each answer (the trace's output length otherwise)",
+    )
     pace = parser.add_mutually_exclusive_group()
-    pace.add_argument("--concurrency", type=int, default=2)
-    pace.add_argument("--rate", type=float, default=None, help="requests per second, open loop")
+    pace.add_argument(
+        "--rate",
+        type=float,
+        default=0.15,
+        help="requests per second, Poisson, open loop (default %(default)s)",
+    )
+    pace.add_argument(
+        "--rates",
+        default=None,
+        help="comma-separated rates: every deployment at each; reports SLA goodput",
+    )
+    pace.add_argument("--concurrency", type=int, default=None, help="closed loop instead")
     parser.add_argument("--rate-mbit", type=float, default=100.0)
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one way")
     add_flow_window_argument(parser)
@@ -179,93 +223,112 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tpot-sla", type=float, default=0.5)
     parser.add_argument("--deployments", default=",".join(d.name for d in DEPLOYMENTS),
                         help="comma-separated subset, in this order")  # fmt: skip
-    parser.add_argument("--pool", type=int, default=None, help="KV tokens on P and MD")
+    parser.add_argument(
+        "--pool",
+        type=int,
+        default=None,
+        help="KV tokens on P and MD (default: 2x the trace's working set)",
+    )
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES),
                         help="every server's; float32 so that the outputs-equal column is exact "
                              "(in bf16 a greedy near-tie can flip with the batch)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("runs/live"))
     args = parser.parse_args(argv)
-    chosen = [d for d in DEPLOYMENTS if d.name in args.deployments.split(",")]
     unknown = set(args.deployments.split(",")) - {d.name for d in DEPLOYMENTS}
-    if unknown or not chosen:
+    if unknown:
         parser.error(f"unknown deployments {sorted(unknown)}; choose from "
                      f"{[d.name for d in DEPLOYMENTS]}")  # fmt: skip
+    try:
+        rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.rate]
+    except ValueError:
+        parser.error(f"--rates {args.rates!r}: give numbers separated by commas")
+    if any(r <= 0 for r in rates):
+        parser.error("rates must be > 0")
+    args.pace_rates = [None] if args.concurrency is not None else rates
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    chosen = [d for d in DEPLOYMENTS if d.name in args.deployments.split(",")]
     exit_on_sigterm()
 
-    trace = workload(args)
+    spec = TraceSpec(args.trace, args.requests, args.sessions, args.scale, args.seed,
+                     args.turn_gap)  # fmt: skip
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     cache: dict[tuple[int, int], list[int]] = {}
-    prompts = [materialize(req, vocab, cache) for req in trace]
-    hits = hit_rate_summary(trace)
+    paces = []
+    for rate in args.pace_rates:
+        trace = trace_at(spec, rate)
+        paces.append(Pace(rate, trace, [materialize(req, vocab, cache) for req in trace]))
+    warm = [materialize(req, vocab, cache) for req in warmup(spec)]
+    pool, peak = pool_tokens([p.trace for p in paces], args.max_new)
+    if args.pool is not None:
+        pool = args.pool
+    print(f"KV pool on P and MD: {pool} tokens = {pool / max(peak, 1):.2f}x the trace's peak "
+          f"working set ({peak} tokens of live sessions' prompt + answer)", flush=True)  # fmt: skip
+    hits = hit_rate_summary(paces[0].trace)
     sla = Sla(args.ttft_sla, args.tpot_sla)
+    outs = [min(r.output_tokens, args.max_new) for r in paces[0].trace]
     title = (
-        f"{args.model.name}, {len(trace)} requests (mean hit {hits['mean_hit']:.0%}), "
-        f"WAN {args.rate_mbit:.0f} Mbit/s, RTT {2 * args.delay_ms:.0f} ms, "
-        f"TCP window {args.flow_window_mb:g} MB per flow, "
-        f"SLA TTFT <= {sla.ttft_s:g}s, TPOT <= {sla.tpot_s:g}s"
+        f"{args.model.name}, {len(paces[0].trace)} requests a pass (mean hit "
+        f"{hits['mean_hit']:.0%}, mean prompt {hits['mean_prompt_tokens']:.0f} tokens, mean "
+        f"answer {sum(outs) / len(outs):.0f} tokens), WAN {args.rate_mbit:.0f} Mbit/s, RTT "
+        f"{2 * args.delay_ms:.0f} ms, TCP window {args.flow_window_mb:g} MB per flow, KV pool "
+        f"{pool} tokens ({pool / max(peak, 1):.1f}x working set), "
+        f"SLA TTFT P90 <= {sla.ttft_s:g}s, TPOT P90 <= {sla.tpot_s:g}s"
     )
     print(title, flush=True)
-    pool = () if args.pool is None else ("--max-total-tokens", str(args.pool))
-    tb = Testbed(
-        "pddlive",
-        LinkParams(args.rate_mbit, args.delay_ms),
-        net="10.229",
-        flow_window_mb=args.flow_window_mb,
-    )
+    pool_args = ("--max-total-tokens", str(pool))
+    tb = Testbed("pddlive", LinkParams(args.rate_mbit, args.delay_ms), net="10.229",
+                 flow_window_mb=args.flow_window_mb)  # fmt: skip
     tb.down()
     tb.up()
     args.out.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, Run] = {}
-    outputs: dict[str, list[list[int] | None]] = {}
+    runs: dict[str, dict[float | None, Run]] = {d.name: {} for d in chosen}
+    outputs: dict[str, dict[float | None, Outputs]] = {d.name: {} for d in chosen}
     estimates: dict[str, dict] = {}
     try:
-        for decode_cache in (False, True):
-            group = [d for d in chosen if d.decode_cache == decode_cache]
-            if not group:
-                continue
-            pdd = PDDDeployment.create(args.model, args.out / f"servers_drc_{decode_cache}",
-                                       tb.placement("a"), tb.placement("b"), main_args=pool,
-                                       prefill_args=pool, decode_cache=decode_cache,
-                                       server_args=("--dtype", args.dtype))  # fmt: skip
+        for group in dict.fromkeys(d.group for d in chosen):
+            deps = [d for d in chosen if d.group == group]
+            first = deps[0]
+            pdd = PDDDeployment.create(
+                args.model, args.out / f"servers_{group}", tb.placement("a"),
+                tb.placement("b"), main_args=pool_args, prefill_args=pool_args,
+                decode_cache=first.decode_cache, router_args=first.router_args(),
+                relay_fraction=first.relay_fraction, server_args=("--dtype", args.dtype),
+            )  # fmt: skip
             try:
-                print(f"starting P + RLD (A), MD (B), router (A); decode cache {decode_cache}",
+                print(f"starting P + RLD ({first.relay_fraction:g} of MD) in A, MD in B, router "
+                      f"in A; decode cache {first.decode_cache}; {first.router_args()}",
                       flush=True)  # fmt: skip
                 pdd.up()
-                for dep in group:
-                    runs[dep.name], outputs[dep.name] = run_pass(dep, pdd, tb, prompts, trace,
-                                                                 args)  # fmt: skip
-                    estimates[dep.name] = router_estimates(pdd.url)
-                    print(f"[{dep.name}] router's estimates: {estimates[dep.name]}", flush=True)
+                for pace in paces:
+                    for dep in deps:
+                        run, out = run_pass(dep, pdd, tb, pace, warm, args)
+                        runs[dep.name][pace.rate], outputs[dep.name][pace.rate] = run, out
+                        estimates[dep.name] = router_estimates(pdd.url)
+                print(f"[{group}] router's estimates: {estimates[deps[-1].name]}", flush=True)
             finally:
                 pdd.down()
     finally:
         tb.down()
 
-    ordered = [d.name for d in chosen]
-    summaries = {name: runs[name].summary(sla) for name in ordered}
-    for name, share in zip(ordered, agreement([outputs[n] for n in ordered]), strict=True):
-        summaries[name]["same_output"] = share
-    table = markdown_table(summaries)
-    same = "; ".join(f"{n}: {summaries[n]['same_output']:.0%}" for n in ordered)
-    print(f"\n{title}\n{table}\noutputs equal to {ordered[0]}'s: {same}")
-    report = (f"# Live run\n\n{title}\n\n{table}\n\nOutputs equal to {ordered[0]}'s: {same}\n\n"
-              f"![TTFT and WAN](live.png)\n")  # fmt: skip
-    (args.out / "live.md").write_text(report)
-    data = {
-        "title": title,
-        "args": {k: str(v) for k, v in vars(args).items()},
+    meta = {
+        "args": {**{k: str(v) for k, v in vars(args).items()}, "rate": str(args.pace_rates[0])},
         "link": {"rate_mbit": args.rate_mbit, "delay_ms": args.delay_ms},
         "model": {
             "name": args.model.name,
             "dtype": args.dtype,
             "kv_bytes_per_token": kv_bytes_per_token(args.model, DTYPE_BYTES[args.dtype]),
         },
+        "pool": {
+            "tokens": pool,
+            "working_set_tokens": peak,
+            "working_sets": [working_set(p.trace, args.max_new) for p in paces],
+        },  # fmt: skip
         "trace_summary": hits,
-        "summaries": summaries,
-        "runs": {n: [asdict(r) for r in runs[n].records] for n in ordered},
         "router_estimates": estimates,
     }
-    (args.out / "live.json").write_text(json.dumps(data, indent=1) + "\n")
-    plot_runs([runs[n] for n in ordered], sla, args.out / "live.png", title)
-    print(f"wrote {args.out}/live.md, live.json and live.png")
+    summaries, _ = report(runs, outputs, sla, title, meta, args.out)
     return 1 if any(s["failed"] for s in summaries.values()) else 0

@@ -1,5 +1,6 @@
 """Per-request records of a benchmark run and what a report shows of them: latency percentiles,
-SLA goodput, WAN bytes, RelayDecode's share of the output; as a table, markdown and plots."""
+SLA goodput, WAN bytes, RelayDecode's and MainDecode's shares of the output, handoffs by mode;
+as a table, markdown and plots."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ class Record:
     wan_kv_bytes: int = 0
     error: str | None = None
     path_reason: str | None = None  # why the router chose the path
+    main_tokens: int = 0  # output tokens the client got from MD
+    handoff_mode: str | None = None  # RLD -> MD handoff: "extend" or "catchup"; None: none
 
     @property
     def ok(self) -> bool:
@@ -88,6 +91,9 @@ class Run:
         row["wan_mb_per_request"] = self.wan_link_bytes / 1e6 / max(len(self.records), 1)
         row["kv_mb_per_request"] = statistics.fmean(r.wan_kv_bytes for r in ok) / 1e6 if ok else 0
         row["rld_share"] = sum(r.relay_tokens for r in ok) / max(out_tokens, 1)
+        row["md_share"] = sum(r.main_tokens for r in ok) / max(out_tokens, 1)
+        for mode in ("extend", "catchup"):
+            row[f"handoffs_{mode}"] = sum(r.handoff_mode == mode for r in ok)
         row["wall_s"] = self.wall_s
         return row
 
@@ -97,13 +103,15 @@ COLUMNS = [  # (key, header, format)
     ("ttft_p90", "P90", "{:.2f}"),
     ("ttft_p99", "P99", "{:.2f}"),
     ("tpot_p50", "TPOT P50", "{:.3f}"),
+    ("tpot_p90", "P90", "{:.3f}"),
     ("tpot_p99", "P99", "{:.3f}"),
     ("e2e_p50", "E2E P50", "{:.2f}"),
     ("e2e_p99", "P99", "{:.2f}"),
-    ("goodput_rps", "goodput rps", "{:.3f}"),
+    ("goodput_rps", "in-SLA req/s", "{:.3f}"),
     ("sla_share", "in SLA", "{:.0%}"),
     ("wan_mb_per_request", "WAN MB/req", "{:.2f}"),
     ("rld_share", "RLD share", "{:.1%}"),
+    ("md_share", "MD share", "{:.1%}"),
     ("failed", "failed", "{:.0f}"),
 ]
 

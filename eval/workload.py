@@ -20,6 +20,17 @@ earlier prompt of the trace, the hit of an ideal prefix cache that keeps every p
 count as uncached because in a live run the model's own answers replace the trace's synthetic
 ones, so only the earlier prompt itself is reusable.
 
+Answers are agentic: a tool call or a short reply, lognormal (median ~180 tokens), at most 512;
+the decoded length (`output_tokens`) is never trimmed. In the next prompt the answer takes
+`answer_prompt_scale` x its decoded length, and at most what keeps the next turn at its target
+hit (agent frameworks drop reasoning from the history); a > 95% turn thus stays above 95%.
+
+Scaling (`scaled`): a small machine prefills far slower than a GPU, so prompt-side lengths scale
+down; but a decode step of a small model on it takes about as long as a large model's step on a
+GPU, so decoded lengths stay production-sized: an answer ends after the KV would have crossed,
+as in production. Only the answer's share of the next prompt scales (`answer_prompt_scale`),
+which keeps the hit-rate shape.
+
 Prompts are recipes: segments (seed, length), a segment being the first `length` tokens of the
 random stream `seed`. `materialize` turns a recipe into token ids for a vocabulary; equal
 segments give equal ids, so prefix sharing survives without storing ids in a trace.
@@ -40,7 +51,7 @@ Segment = tuple[int, int]  # (seed, length): the first `length` tokens of stream
 
 HIGH = 0.95  # "above 95%": the head of the distribution
 LOW = 0.5  # "below 50%": the tail
-_HIGH_ROOM = 0.955  # answers are capped so a > 95% turn stays above 95% with a margin
+_HIGH_ROOM = 0.955  # an answer's prompt segment is capped so > 95% turns stay above, a margin
 _CALIBRATION_ROUNDS = 4
 
 
@@ -84,11 +95,13 @@ class WorkloadConfig:
     max_context: int = 128_000
     mean_turns: float = 40.0  # ends after a turn with chance 1/mean_turns, or when outgrown
     min_insert_tokens: int = 16  # the shortest tool output or task
-    output_median: int = 200
-    output_sigma: float = 0.8  # lognormal
-    output_range: tuple[int, int] = (8, 2048)
+    output_median: int = 180  # decoded tokens, lognormal: agentic answers and tool calls
+    output_sigma: float = 0.6
+    output_range: tuple[int, int] = (8, 512)
+    answer_prompt_scale: float = 1.0  # an answer's length in the next prompt / its decoded length
     singular_tokens: tuple[int, int] = (16_000, 64_000)
     singular_output: tuple[int, int] = (1, 4)
+    warm: bool = False  # the system prompts are cached before the first request (steady state)
 
     def __post_init__(self) -> None:
         if self.seed < 0 or self.requests < 1 or self.sessions < 1 or self.system_prompts < 1:
@@ -97,6 +110,8 @@ class WorkloadConfig:
             raise ValueError("rate must be > 0, turn_gap_s >= 0, mean_turns >= 1")
         if self.min_insert_tokens < 1 or self.output_median < 1 or self.output_sigma < 0:
             raise ValueError("min_insert_tokens, output_median must be >= 1, output_sigma >= 0")
+        if self.answer_prompt_scale <= 0:
+            raise ValueError(f"answer_prompt_scale {self.answer_prompt_scale} must be > 0")
         shares = (self.above_95, self.low_share, self.singular_share)
         if min(shares) < 0 or sum(shares) > 1 or self.singular_share >= 1:
             raise ValueError(
@@ -151,7 +166,10 @@ class WorkloadConfig:
         return need
 
     def scaled(self, factor: float) -> WorkloadConfig:
-        """The same shape with every token length times `factor` (small models, quick runs)."""
+        """The same hit shape with every prompt-side length times `factor`; decoded lengths
+        (outputs, singular outputs) unchanged, answers in later prompts times `factor` too."""
+        if factor <= 0:
+            raise ValueError(f"scale factor {factor} must be > 0")
 
         def pair(p: tuple[int, int]) -> tuple[int, int]:
             return (max(1, round(p[0] * factor)), max(1, round(p[1] * factor)))
@@ -161,9 +179,8 @@ class WorkloadConfig:
             system_tokens=pair(self.system_tokens),
             max_context=max(2, round(self.max_context * factor)),
             min_insert_tokens=max(1, round(self.min_insert_tokens * factor)),
-            output_median=max(1, round(self.output_median * factor)),
-            output_range=pair(self.output_range),
             singular_tokens=pair(self.singular_tokens),
+            answer_prompt_scale=self.answer_prompt_scale * factor,
         )
 
     def as_dict(self) -> dict[str, object]:
@@ -217,7 +234,7 @@ class _Session:
     id: int
     segments: list[Segment]
     turn: int
-    answer: int  # output tokens of its latest turn: they open its next prompt
+    answer: int  # its latest answer's length in the next prompt, which it opens
     target: float  # the hit its next request is built for
     ended: bool = False
 
@@ -268,6 +285,9 @@ class _Generator:
         self.last = [-math.inf] * cfg.sessions
         self.sessions = 0
         self.trie = PrefixTrie()
+        if cfg.warm:
+            for system in self.systems:
+                self.trie.insert([system])
 
     def _fresh(self, n: int) -> Segment:
         self.count += 1
@@ -323,12 +343,11 @@ class _Generator:
         output = self._draw_output()
         sess.ended = self.rng.random() < 1 / cfg.mean_turns
         sess.target = self._draw_hit()
-        if not sess.ended:
-            # The answer opens the next prompt uncached: keep it small enough for that target.
-            prompt = sum(n for _, n in sess.segments)
-            room = fresh_for(prompt, min(sess.target, _HIGH_ROOM)) - cfg.min_insert_tokens
-            output = min(output, max(cfg.output_range[0], room))
-        sess.answer = output
+        # The answer opens the next prompt uncached: its segment there is scaled like the prompt
+        # and kept small enough for that turn's target; the decoded output is never trimmed.
+        prompt = sum(n for _, n in sess.segments)
+        room = fresh_for(prompt, min(sess.target, _HIGH_ROOM)) - cfg.min_insert_tokens
+        sess.answer = max(1, min(round(output * cfg.answer_prompt_scale), room))
         self.slots[slot] = sess
         return sess, output
 
@@ -396,6 +415,16 @@ def generate(cfg: WorkloadConfig) -> list[TraceRequest]:
         mid = min(max(mid + (target - got) / cfg.mid_share, LOW + 0.01), HIGH - 0.01)
     assert best is not None
     return best[1]
+
+
+def system_prompts(cfg: WorkloadConfig) -> list[TraceRequest]:
+    """The shared system prompts of `cfg`'s stream as requests of 1 output token: what a warm
+    start (`warm`) assumes cached; send them first so that a live run starts warm too."""
+    gen = _Generator(cfg, cfg.mid_mean())
+    return [
+        TraceRequest(-1 - i, -1 - i, 0, 0.0, n, 0, 1, segments=((seed, n),))
+        for i, (seed, n) in enumerate(gen.systems)
+    ]
 
 
 def segment_ids(seed: int, length: int, vocab: int) -> list[int]:

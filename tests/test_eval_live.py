@@ -1,24 +1,94 @@
-"""`python -m pdd.eval live`, short: a small agentic trace through the four deployments on the
-testbed with the tiny model. Real servers, real WAN; checks what the report says."""
+"""`python -m pdd.eval live`: what it sends (trace at a rate, working set, KV pool), what it
+reports (SLA goodput, the PDD line), and, short, a small agentic trace through the five
+deployments on the testbed with the tiny model: real servers, real WAN."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import pytest
+
 from pdd.eval.__main__ import main
+from pdd.eval.live_plan import TraceSpec, pool_tokens, trace_at, warmup, working_set
+from pdd.eval.live_report import compare_line, meets, report, sla_goodput
+from pdd.eval.report import Record, Run, Sla
+from pdd.eval.workload import TraceRequest, hit_rate_summary
 from tests.marks import needs_root
 
 
+def test_the_default_trace_is_in_pdds_regime() -> None:
+    spec = TraceSpec()
+    trace = trace_at(spec, 0.15)
+    s = hit_rate_summary(trace)
+    assert len(trace) == 40 and abs(s["mean_hit"] - 0.90) <= 0.03  # warm: system prompts cached
+    outputs = [r.output_tokens for r in trace if not r.singular]
+    assert sum(outputs) / len(outputs) >= 150 and max(outputs) <= 512  # answers not scaled
+    assert s["max_prompt_tokens"] <= 1920  # prompts are
+    assert 200 <= trace[-1].arrival_s <= 400  # ~5 minutes a pass at 0.15 req/s
+    assert trace_at(spec, 0.15) == trace and trace_at(spec, 0.3) != trace
+    systems = warmup(spec)
+    assert systems and all(r.output_tokens == 1 for r in systems)
+
+
+def test_working_set_and_pool() -> None:
+    def req(i: int, session: int, prompt: int, out: int) -> TraceRequest:
+        return TraceRequest(i, session, 0, float(i), prompt, 0, out)
+
+    # Sessions 0 (until request 2) and 1 (until 3) overlap; 2 starts after 0 ended.
+    trace = [req(0, 0, 100, 10), req(1, 1, 50, 5), req(2, 0, 200, 20), req(3, 1, 60, 6),
+             req(4, 2, 30, 3)]  # fmt: skip
+    assert working_set(trace) == 220 + 55  # request 2: session 0's 200 + 20, session 1's 55
+    assert pool_tokens([trace], 512) == (1024, 275)  # at least 1024
+    big = [req(0, 0, 3000, 400), req(1, 1, 2000, 300), req(2, 0, 3100, 50), req(3, 1, 2100, 9)]
+    assert working_set(big) == 3400 + 2300  # at request 1; then 3150 + 2300
+    assert pool_tokens([big], 512) == (2 * 5700, 5700)
+    assert pool_tokens([big[:1]], 512) == (2 * 3400, 3400)  # the longest request fits twice
+    assert pool_tokens([[req(0, 0, 3000, 900)]], 512) == (2 * 3512, 3512)  # answers capped
+
+
+def test_a_file_trace_keeps_its_outputs_and_takes_the_rate(tmp_path: Path) -> None:
+    path = tmp_path / "user.jsonl"
+    rows = [{"arrival_s": 2.0 * i, "prompt_tokens": 100 + i, "output_tokens": 300 + i}
+            for i in range(5)]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = TraceSpec(path=path, requests=4)
+    trace = trace_at(spec, 0.5)
+    assert [r.output_tokens for r in trace] == [300, 301, 302, 303]
+    assert [r.arrival_s for r in trace] == pytest.approx([0, 2, 4, 6])  # 0.5/s: its own clock
+    assert [r.arrival_s for r in trace_at(spec, 1.0)] == pytest.approx([0, 1, 2, 3])
+    assert warmup(spec) == []
+
+
+def test_sla_goodput_is_the_highest_rate_that_meets_the_sla() -> None:
+    sla = Sla(3.0, 0.5)
+
+    def s(ttft: float, tpot: float, failed: int = 0) -> dict[str, float]:
+        return {"ttft_p90": ttft, "tpot_p90": tpot, "failed": failed}
+
+    assert meets(s(2.9, 0.4), sla) and not meets(s(3.1, 0.4), sla)
+    assert not meets(s(1, 0.6), sla) and not meets(s(1, 0.1, failed=1), sla)
+    assert sla_goodput({0.1: s(1, 0.1), 0.2: s(2, 0.2), 0.4: s(5, 0.2)}, sla) == 0.2
+    assert sla_goodput({0.1: s(4, 0.1)}, sla) == 0.0
+    pdd = {"md_share": 0.9, "rld_share": 0.1, "ttft_p99": 1.0}
+    base = {"md_share": 0.0, "rld_share": 1.0, "ttft_p99": 2.0}
+    line = compare_line("PDD", pdd, base, 0.3, 0.2)
+    assert line == "pdd md share 0.900 rld share 0.100 ttft p99 ratio 0.500 goodput ratio 1.500"
+    assert compare_line("PDD catch-up", pdd, base, 0.3, 0.2).startswith("pdd-catch-up md share")
+    assert math.isnan(float(compare_line("PDD", pdd, base, 0.3, 0.0).split()[-1]))
+
+
 @needs_root
-def test_a_short_live_run_reports_all_four_deployments(tiny_model: Path, tmp_path: Path) -> None:
+def test_a_short_live_run_reports_all_five_deployments(tiny_model: Path, tmp_path: Path) -> None:
     rc = main(["live", "--model", str(tiny_model), "--requests", "10", "--scale", "0.01",
                "--max-new", "24", "--concurrency", "2", "--rate-mbit", "50",
                "--out", str(tmp_path)])  # fmt: skip
     data = json.loads((tmp_path / "live.json").read_text())
     s = data["summaries"]
     assert rc == 0, s
-    names = ["same-DC PD", "naive cross-DC PD", "cross-DC PD + decode cache", "PDD"]
+    names = ["same-DC PD", "naive cross-DC PD", "cross-DC PD + decode cache", "PDD",
+             "PDD catch-up"]  # fmt: skip
     assert list(s) == names
     for name in names:
         assert s[name]["requests"] == 10 and s[name]["failed"] == 0, (name, s[name])
@@ -33,7 +103,11 @@ def test_a_short_live_run_reports_all_four_deployments(tiny_model: Path, tmp_pat
     assert {r["path"] for r in runs["naive cross-DC PD"]} == {"P->MD"}
     assert all(r["relay_tokens"] == r["output_tokens"] for r in runs["same-DC PD"])
     assert s["same-DC PD"]["rld_share"] == 1.0 and s["naive cross-DC PD"]["rld_share"] == 0.0
-    assert {r["path"] for r in runs["PDD"]} <= {"P->RLD", "P->MD", "P->RLD->MD"}
+    assert s["naive cross-DC PD"]["md_share"] == 1.0
+    for name in ("PDD", "PDD catch-up"):
+        assert {r["path"] for r in runs[name]} <= {"P->RLD", "P->MD", "P->RLD->MD"}
+    assert data["compare"][-1].startswith("pdd md share ")
+    assert data["pool"]["tokens"] >= 2 * data["pool"]["working_set_tokens"]
     # The router's estimates after each pass are in the report; P -> MD taught it the KV size.
     learnt = data["router_estimates"]["naive cross-DC PD"]["wan"]
     assert learnt["kv_bytes_per_token"] == 1024, learnt  # tiny model, float32
@@ -41,3 +115,27 @@ def test_a_short_live_run_reports_all_four_deployments(tiny_model: Path, tmp_pat
     for name in ("live.md", "live.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "| PDD |" in (tmp_path / "live.md").read_text()
+
+
+def test_the_report_of_a_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def run(name: str, ttft: float, relay: int, main_: int, mode: str | None) -> Run:
+        records = [Record(100, 90, float(i), relay + main_, ttft, ttft + 0.05 * (relay + main_ - 1),
+                          relay_tokens=relay, main_tokens=main_, handoff_mode=mode)
+                   for i in range(10)]  # fmt: skip
+        return Run(name, records, wall_s=60.0)
+
+    runs = {
+        "same-DC PD": {0.1: run("same-DC PD", 2.0, 200, 0, None),
+                       0.2: run("same-DC PD", 4.0, 200, 0, None)},
+        "PDD": {0.1: run("PDD", 1.0, 20, 180, "extend"), 0.2: run("PDD", 2.0, 20, 180, "extend")},
+    }  # fmt: skip
+    outputs = {n: {r: [[1, 2]] * 10 for r in (0.1, 0.2)} for n in runs}
+    summaries, lines = report(runs, outputs, Sla(3.0, 0.5), "t", {"args": {}}, tmp_path)
+    assert lines == ["pdd md share 0.900 rld share 0.100 ttft p99 ratio 0.500 goodput ratio 2.000"]
+    assert summaries["PDD"]["handoffs_extend"] == 10 and summaries["PDD"]["same_output"] == 1.0
+    data = json.loads((tmp_path / "live.json").read_text())
+    assert data["sla_goodput_rps"] == {"same-DC PD": 0.1, "PDD": 0.2}
+    assert set(data["sweep"]["PDD"]) == {"0.1", "0.2"} and len(data["runs"]["PDD"]) == 10
+    printed = capsys.readouterr().out
+    assert printed.rstrip().splitlines()[-1] == lines[0]  # the run's last line
+    assert "## SLA goodput" in (tmp_path / "live.md").read_text()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import bisect
 import json
+import statistics
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from pdd.eval.workload import (
     hit_rate_summary,
     materialize,
     segment_ids,
+    system_prompts,
 )
 
 VOCAB = 32000
@@ -117,6 +120,19 @@ def test_segment_ids_are_prefix_consistent_and_in_range() -> None:
         materialize(TraceRequest(1, 1, 0, 0.0, 10, 5, 1), VOCAB)
 
 
+def answer_segments(trace: list[TraceRequest]) -> list[tuple[TraceRequest, int]]:
+    """(turn, the length its answer takes in the session's next prompt) for continuing turns."""
+    last: dict[int, TraceRequest] = {}
+    out = []
+    for req in trace:
+        before = last.get(req.session)
+        if before is not None:
+            assert req.segments is not None and before.segments is not None
+            out.append((before, req.segments[len(before.segments)][1]))
+        last[req.session] = req
+    return out
+
+
 def test_turns_extend_their_session(default_trace: list[TraceRequest]) -> None:
     last: dict[int, TraceRequest] = {}
     extended = 0
@@ -127,11 +143,63 @@ def test_turns_extend_their_session(default_trace: list[TraceRequest]) -> None:
             assert req.segments is not None and before.segments is not None
             n = len(before.segments)
             assert req.segments[:n] == before.segments  # the whole previous prompt
-            assert req.segments[n][1] == before.output_tokens  # then the answer, then a tool
+            assert 1 <= req.segments[n][1] <= before.output_tokens  # the answer, then a tool
             assert req.cached_tokens == before.prompt_tokens
             extended += 1
         last[req.session] = req
     assert extended > 1500
+    # Unscaled, the answer enters the next prompt whole unless that turn's hit target needs less.
+    answers = answer_segments(default_trace)
+    assert sum(seg == turn.output_tokens for turn, seg in answers) >= 0.75 * len(answers)
+
+
+def test_default_outputs_are_agentic_and_continuing_turns_are_not_trimmed(
+    default_trace: list[TraceRequest],
+) -> None:
+    outputs = [r.output_tokens for r in default_trace if not r.singular]
+    assert statistics.fmean(outputs) >= 150 and max(outputs) <= 512 and min(outputs) >= 8
+    assert 150 <= statistics.median(outputs) <= 210
+    assert all(1 <= r.output_tokens <= 4 for r in default_trace if r.singular)
+    # A turn that the session continues decodes as long as one that ends it: the prompt-side
+    # cap that keeps > 95% turns above 95% applies to the answer's segment, not to the output.
+    continuing = [turn.output_tokens for turn, _ in answer_segments(default_trace)]
+    assert statistics.fmean(continuing) >= 0.95 * statistics.fmean(outputs)
+    assert sum(n > 400 for n in continuing) >= 0.02 * len(continuing)  # the long tail is there
+
+
+def test_scaling_shrinks_prompts_not_decoded_lengths() -> None:
+    cfg = WorkloadConfig(seed=1)
+    small = cfg.scaled(0.015)
+    assert small.system_tokens == (30, 180) and small.max_context == 1920
+    assert small.singular_tokens == (240, 960) and small.answer_prompt_scale == 0.015
+    decode = ("output_median", "output_sigma", "output_range", "singular_output")
+    assert all(getattr(small, k) == getattr(cfg, k) for k in decode)
+    assert small.scaled(2.0).answer_prompt_scale == 0.03  # scales compose
+    trace = generate(small)
+    s = hit_rate_summary(trace)
+    assert abs(s["mean_hit"] - 0.90) <= 0.02  # the production shape survives
+    assert s["share_above_95"] >= 0.65 and 0.03 <= s["singular_share"] <= 0.04
+    assert s["max_prompt_tokens"] <= 1920
+    outputs = [r.output_tokens for r in trace if not r.singular]
+    assert statistics.fmean(outputs) >= 150 and max(outputs) <= 512  # production answers
+    # In the next prompt an answer takes 1.5% of its decoded length (or less, for the target).
+    answers = answer_segments(trace)
+    assert all(1 <= seg <= max(1, round(0.015 * t.output_tokens)) for t, seg in answers)
+    scaled = sum(seg == max(1, round(0.015 * t.output_tokens)) for t, seg in answers)
+    assert scaled >= 0.75 * len(answers)
+    with pytest.raises(ValueError, match="answer_prompt_scale"):
+        WorkloadConfig(answer_prompt_scale=0)
+
+
+def test_a_warm_start_caches_the_system_prompts_first() -> None:
+    cfg = WorkloadConfig(seed=2, requests=40, sessions=6, rate=0.15, turn_gap_s=20).scaled(0.015)
+    cold, warm = generate(cfg), generate(replace(cfg, warm=True))
+    systems = system_prompts(replace(cfg, warm=True))
+    assert len(systems) == cfg.system_prompts and all(r.output_tokens == 1 for r in systems)
+    heads = {r.segments[0] for r in warm if r.segments and not r.singular}
+    assert heads <= {s.segments[0] for s in systems if s.segments}  # every session opens so
+    assert hit_rate_summary(warm)["mean_hit"] > hit_rate_summary(cold)["mean_hit"]
+    assert abs(hit_rate_summary(warm)["mean_hit"] - 0.90) <= 0.03  # short, yet warm: the shape
 
 
 def test_same_seed_same_trace_other_seed_other_trace() -> None:

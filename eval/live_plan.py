@@ -1,0 +1,92 @@
+"""What a live run sends: the trace at each rate, the warm-up, and KV pools sized to the trace.
+
+Why: PDD's regime is agentic traffic at a ~90% prefix hit whose answers are long enough (hundreds
+of tokens) that KV crosses the WAN while the answer is still being decoded, and a decode tier
+whose cache holds the live sessions. On a 2-core CPU prompts scale down (prefill is ~1000x
+slower than a GPU's), answers do not (a decode step of a small model here is the same order as a
+large model's step on a GPU): see pdd.eval.workload. The KV pools of P and MD are sized against
+the trace's working set, so that the decode cache holds what production's would.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from pdd.eval.trace import import_trace
+from pdd.eval.workload import TraceRequest, WorkloadConfig, generate, system_prompts
+
+POOL_FACTOR = 2.0  # KV pool / peak working set, by default
+
+
+@dataclass(frozen=True)
+class TraceSpec:
+    """How to get the trace: a file, or a generated agentic stream scaled to this machine."""
+
+    path: Path | None = None
+    requests: int = 40
+    sessions: int = 6
+    scale: float = 0.015
+    seed: int = 0
+    turn_gap_s: float = 20.0  # a session's next turn comes after its answer (and its tool)
+
+    def config(self, rate: float) -> WorkloadConfig:
+        cfg = WorkloadConfig(seed=self.seed, requests=self.requests, sessions=self.sessions,
+                             rate=rate, turn_gap_s=self.turn_gap_s, warm=True)  # fmt: skip
+        return cfg.scaled(self.scale)
+
+
+def trace_at(spec: TraceSpec, rate: float | None) -> list[TraceRequest]:
+    """The requests to send at `rate` (mean requests per second, Poisson), on their own clock.
+
+    Generated: the agentic stream at that rate (turns of a session at least turn_gap_s apart).
+    From a file: its first `requests`, output lengths as they are; its clock rescaled to the
+    mean rate, or Poisson arrivals (seeded) when it has no timestamps. `rate` None: as it is
+    (a closed-loop run ignores the clock)."""
+    if spec.path is None:
+        return generate(spec.config(rate if rate is not None else 1.0))
+    trace = import_trace(spec.path)[: spec.requests]
+    if rate is None or not trace:
+        return trace
+    duration = trace[-1].arrival_s - trace[0].arrival_s
+    if duration > 0 and len(trace) > 1:
+        k = (len(trace) - 1) / (rate * duration)
+        return [replace(r, arrival_s=(r.arrival_s - trace[0].arrival_s) * k) for r in trace]
+    rng, t, out = random.Random(spec.seed), 0.0, []
+    for r in trace:
+        out.append(replace(r, arrival_s=t))
+        t += rng.expovariate(rate)
+    return out
+
+
+def warmup(spec: TraceSpec) -> list[TraceRequest]:
+    """Sent before each pass (1 output token each): the shared system prompts, cached in
+    steady state; the generated trace counts them as cached. None for a file."""
+    return [] if spec.path is not None else system_prompts(spec.config(1.0))
+
+
+def working_set(trace: list[TraceRequest], max_new: int | None = None) -> int:
+    """Peak over arrivals of the live sessions' context tokens (latest prompt + its answer,
+    capped at `max_new`).
+
+    A session is live from its first request to its last one in the trace; a request without
+    a session of its own (singular) counts at its arrival."""
+    last = {r.session: i for i, r in enumerate(trace)}
+    live: dict[int, int] = {}
+    peak = 0
+    for i, r in enumerate(trace):
+        live[r.session] = r.prompt_tokens + min(r.output_tokens, max_new or r.output_tokens)
+        peak = max(peak, sum(live.values()))
+        if last[r.session] == i:
+            del live[r.session]
+    return peak
+
+
+def pool_tokens(traces: list[list[TraceRequest]], max_new: int, factor: float = POOL_FACTOR
+                ) -> tuple[int, int]:  # fmt: skip
+    """(KV pool tokens for P and MD, peak working set): `factor` x the largest working set of
+    the traces, and at least twice the longest request (prompt + answer) so one always fits."""
+    peak = max(working_set(t, max_new) for t in traces)
+    longest = max(r.prompt_tokens + min(r.output_tokens, max_new) for t in traces for r in t)
+    return max(round(factor * peak), 2 * longest, 1024), peak
