@@ -70,9 +70,13 @@ class Deployment:
     group: str  # deployments of one group share one set of servers and router
     relay_fraction: float = RELAY_FRACTION  # RLD's capacity / MD's
     handoff_mode: str | None = None  # the router's --handoff-mode; None: its default
+    relay_guard: bool = True  # off: low-hit requests queue on a full RLD (the collapse)
 
-    def router_args(self) -> tuple[str, ...]:
-        return () if self.handoff_mode is None else ("--handoff-mode", self.handoff_mode)
+    def router_args(self, ttft_sla_s: float) -> tuple[str, ...]:
+        args: tuple[str, ...] = ("--ttft-sla", str(ttft_sla_s))
+        if self.handoff_mode is not None:
+            args += ("--handoff-mode", self.handoff_mode)
+        return args if self.relay_guard else (*args, "--no-relay-guard")
 
 
 DEPLOYMENTS = [
@@ -81,7 +85,12 @@ DEPLOYMENTS = [
     Deployment("cross-DC PD + decode cache", True, "main", "pdd", handoff_mode="extend"),
     Deployment("PDD", True, None, "pdd", handoff_mode="extend"),
     Deployment("PDD catch-up", True, None, "pdd-catchup", handoff_mode="catchup"),
+    # What the guard prevents, at the same load: not among the defaults (one more start-up).
+    Deployment(
+        "PDD no RLD guard", True, None, "pdd-noguard", handoff_mode="extend", relay_guard=False
+    ),  # fmt: skip
 ]
+DEFAULT_DEPLOYMENTS = [d.name for d in DEPLOYMENTS if d.relay_guard]
 REQUEST_TIMEOUT_S = 600.0
 
 
@@ -167,6 +176,17 @@ def router_sees_flush(url: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.1)
 
 
+def served_capacity(url: str, timeout_s: float = 30.0) -> dict[str, int | None]:
+    """Requests RLD and MD run at once, as the router learnt them from the servers."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        inst = router_status(url)["instances"]
+        got = {tier: inst[tier][0]["capacity"] for tier in ("relay", "main")}
+        if all(v is not None for v in got.values()) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.5)
+
+
 def router_estimates(url: str) -> dict:
     """What the router has learnt after a pass (its path choices rest on it): the WAN to MD,
     RLD's time per token, P's time per prompt token."""
@@ -221,8 +241,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_flow_window_argument(parser)
     parser.add_argument("--ttft-sla", type=float, default=3.0)
     parser.add_argument("--tpot-sla", type=float, default=0.5)
-    parser.add_argument("--deployments", default=",".join(d.name for d in DEPLOYMENTS),
-                        help="comma-separated subset, in this order")  # fmt: skip
+    parser.add_argument("--deployments", default=",".join(DEFAULT_DEPLOYMENTS),
+                        help="comma-separated, in this order, from: "
+                        + ", ".join(d.name for d in DEPLOYMENTS)
+                        + " (default: all but the last)")  # fmt: skip
     parser.add_argument(
         "--pool",
         type=int,
@@ -288,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict[float | None, Run]] = {d.name: {} for d in chosen}
     outputs: dict[str, dict[float | None, Outputs]] = {d.name: {} for d in chosen}
     estimates: dict[str, dict] = {}
+    capacity: dict[str, dict[str, int | None]] = {}
     try:
         for group in dict.fromkeys(d.group for d in chosen):
             deps = [d for d in chosen if d.group == group]
@@ -295,14 +318,18 @@ def main(argv: list[str] | None = None) -> int:
             pdd = PDDDeployment.create(
                 args.model, args.out / f"servers_{group}", tb.placement("a"),
                 tb.placement("b"), main_args=pool_args, prefill_args=pool_args,
-                decode_cache=first.decode_cache, router_args=first.router_args(),
+                decode_cache=first.decode_cache, router_args=first.router_args(args.ttft_sla),
                 relay_fraction=first.relay_fraction, server_args=("--dtype", args.dtype),
             )  # fmt: skip
             try:
                 print(f"starting P + RLD ({first.relay_fraction:g} of MD) in A, MD in B, router "
-                      f"in A; decode cache {first.decode_cache}; {first.router_args()}",
+                      f"in A; decode cache {first.decode_cache}; "
+                      f"{first.router_args(args.ttft_sla)}",
                       flush=True)  # fmt: skip
                 pdd.up()
+                capacity[group] = served_capacity(pdd.url)
+                print(f"[{group}] requests each decoder runs at once: {capacity[group]}",
+                      flush=True)  # fmt: skip
                 for pace in paces:
                     for dep in deps:
                         run, out = run_pass(dep, pdd, tb, pace, warm, args)
@@ -329,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         },  # fmt: skip
         "trace_summary": hits,
         "router_estimates": estimates,
+        # PDD's decoders as the servers report them (what sim --calibrate sizes its tiers by).
+        "capacity": capacity.get("pdd") or next(iter(capacity.values()), {}),
+        "capacity_by_group": capacity,
     }
     summaries, _ = report(runs, outputs, sla, title, meta, args.out)
     return 1 if any(s["failed"] for s in summaries.values()) else 0

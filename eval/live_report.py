@@ -13,6 +13,7 @@ from pdd.eval.report import Run, Sla, markdown_table, plot_runs
 
 SAME_DC = "same-DC PD"
 PDD = "PDD"
+NO_GUARD = "PDD no RLD guard"
 
 Outputs = list[list[int] | None]
 
@@ -108,8 +109,11 @@ def report(
     if SAME_DC in summaries:
         base = summaries[SAME_DC]
         for n in names:
-            if n.startswith(PDD) and n in summaries:
+            if n.startswith(PDD) and n != NO_GUARD and n in summaries:
                 lines.append(compare_line(n, summaries[n], base, goodput[n], goodput[SAME_DC]))
+        if NO_GUARD in summaries and PDD in summaries:
+            off, on = summaries[NO_GUARD]["ttft_p99"], summaries[PDD]["ttft_p99"]
+            lines.append(f"rld guard ttft p99 off/on {ratio(off, on):.3f}")
         lines.sort(key=lambda line: line.startswith("pdd "))  # PDD (extend) last
     body = "\n".join(sections)
     print(f"\n{title}\n\n{body}")

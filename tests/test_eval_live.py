@@ -108,6 +108,10 @@ def test_a_short_live_run_reports_all_five_deployments(tiny_model: Path, tmp_pat
         assert {r["path"] for r in runs[name]} <= {"P->RLD", "P->MD", "P->RLD->MD"}
     assert data["compare"][-1].startswith("pdd md share ")
     assert data["pool"]["tokens"] >= 2 * data["pool"]["working_set_tokens"]
+    # PDD's RLD is an eighth of MD, as the servers themselves report; same-DC PD's decoder is
+    # as large as MD.
+    assert data["capacity"] == {"relay": 8, "main": 64}, data["capacity_by_group"]
+    assert data["capacity_by_group"]["same-dc"] == {"relay": 64, "main": 64}
     # The router's estimates after each pass are in the report; P -> MD taught it the KV size.
     learnt = data["router_estimates"]["naive cross-DC PD"]["wan"]
     assert learnt["kv_bytes_per_token"] == 1024, learnt  # tiny model, float32
