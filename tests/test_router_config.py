@@ -23,6 +23,7 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_defaults_are_production_values() -> None:
     cfg = config_from_args(parse())
     assert cfg.path == "auto" and cfg.md_feed_after_tokens == 0 and cfg.relay_pace_s == 0.0
+    assert not cfg.test_controls and config_from_args(parse("--test-controls")).test_controls
     assert cfg.main[0].control_addr == "tcp://10.0.0.2:17000"
 
 

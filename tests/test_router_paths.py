@@ -22,9 +22,12 @@ from pdd.launch.servers import SGLangServer
 from tests.test_pd_same_dc import random_ids
 
 MAX_NEW = 96
-# RLD's tokens reach the handoff routers at most one per 30 ms: 96 tokens take RLD about 3 s, so
-# MD is ready first however fast the tiny model decodes.
-RELAY_PACE = ["--relay-pace-ms", "30"]
+# The routers honour test controls: a request that needs MD to take part holds RLD's output at
+# HOLD tokens until MD is ready (pdd_hold_relay, pdd.router.hold), so it is handed off at exactly
+# HOLD tokens however fast the tiny model decodes.
+TEST_CONTROLS = ["--test-controls"]
+HOLD = 8
+CATCHUP_HOLD = 40  # where the Catch-Up router feeds MD: MD catches up on these 40 in chunks
 LENGTHS = [9, 150, 700]
 
 
@@ -41,7 +44,7 @@ class Deployment:
     router: RouterService  # Extend-Decode handoffs
     catchup: RouterService  # Catch-Up forced: MD is fed only after RLD streamed 40 tokens
     no_main: RouterService  # its MD address answers nobody
-    slow_main: RouterService  # never feeds MD: its READY deadline passes
+    slow_main: RouterService  # never feeds MD: its READY deadline (1 s) passes
 
     def servers(self) -> list[SGLangServer | RouterService]:
         return [self.router, self.catchup, self.no_main, self.slow_main, self.colocated,
@@ -67,19 +70,19 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     d = Deployment(
         colocated, prefill, relay, main,
         router=RouterService("router", free_port(), run_dir, main=[main], **tiers,
-                             path="pdd", extra_args=["--handoff-mode", "extend", *RELAY_PACE]),
+                             path="pdd", extra_args=["--handoff-mode", "extend", *TEST_CONTROLS]),
         catchup=RouterService(
             "router_catchup", free_port(), run_dir, main=[main], **tiers,
             path="pdd",
             extra_args=["--handoff-mode", "catchup", "--catchup-threshold", "8",
-                        "--catchup-chunk", "16", "--md-feed-after-tokens", "40", *RELAY_PACE],
+                        "--catchup-chunk", "16", "--md-feed-after-tokens", "40", *TEST_CONTROLS],
         ),
         no_main=RouterService("router_no_main", free_port(), run_dir, main=[ghost], **tiers,
                               path="pdd", extra_args=["--ready-timeout", "20"]),
         slow_main=RouterService("router_slow_main", free_port(), run_dir, main=[main], **tiers,
                                 path="pdd",
                                 extra_args=["--md-feed-after-tokens", "100000",
-                                            "--ready-timeout", "1", *RELAY_PACE]),
+                                            "--ready-timeout", "1", *TEST_CONTROLS]),
     )  # fmt: skip
     try:
         for s in d.servers():
@@ -102,17 +105,23 @@ def reference(deployment: Deployment) -> list[list[int]]:
             for ids in prompts()]  # fmt: skip
 
 
-def through(router: RouterService, ids: list[int], path: str | None, **params: object) -> dict:
+def through(router: RouterService, ids: list[int], path: str | None, hold: int | None = None,
+            **params: object) -> dict:  # fmt: skip
     body: dict = {"input_ids": ids, "sampling_params": sampling(**params)}  # type: ignore[arg-type]
     if path is not None:
         body["pdd_path"] = path
+    if hold is not None:
+        body["pdd_hold_relay"] = hold
     return generate(router.url, body, timeout=300)
 
 
-def stream(router: RouterService, ids: list[int], path: str | None) -> list[dict]:
+def stream(router: RouterService, ids: list[int], path: str | None,
+           hold: int | None = None) -> list[dict]:  # fmt: skip
     body: dict = {"input_ids": ids, "sampling_params": sampling(), "stream": True}
     if path is not None:
         body["pdd_path"] = path
+    if hold is not None:
+        body["pdd_hold_relay"] = hold
     req = urllib.request.Request(
         f"{router.url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
@@ -157,35 +166,36 @@ def test_extend_handoff_equals_colocated(
     deployment: Deployment, reference: list[list[int]]
 ) -> None:
     for i, ids in enumerate(prompts()):
-        got = through(deployment.router, ids, "pdd")
+        got = through(deployment.router, ids, "pdd", hold=HOLD)
         assert got["output_ids"] == reference[i], f"prompt {i} ({len(ids)} tokens)"
         pdd = got["meta_info"]["pdd"]
         assert pdd["path"] == "P->RLD->MD", pdd
         assert pdd["handoff_mode"] == "extend" and pdd["chunks"] == 0
-        assert pdd["relay_tokens"] + pdd["main_tokens"] == MAX_NEW
+        assert pdd["relay_tokens"] == HOLD and pdd["main_tokens"] == MAX_NEW - HOLD, pdd
         assert pdd["main_tokens"] > 0 and pdd["handoff_latency_s"] is not None
         assert pdd["md_prompt_tokens"] == len(ids) and pdd["wan_kv_bytes"] > 0
         assert 0 < pdd["control_bytes"] < 2000  # token ids, not KV
 
 
-def test_catchup_handoff_equals_colocated(deployment: Deployment) -> None:
-    # Long enough that RLD is still decoding while MD catches up chunk by chunk.
-    ids, max_new = prompts()[1], 320
-    body = {"input_ids": ids, "sampling_params": sampling(max_new=max_new)}
-    expected = generate(deployment.colocated.url, body)["output_ids"]
-    got = through(deployment.catchup, ids, None, max_new=max_new)
-    assert got["output_ids"] == expected
+def test_catchup_handoff_equals_colocated(
+    deployment: Deployment, reference: list[list[int]]
+) -> None:
+    # Held at the 40 tokens the client has when MD is fed: MD catches up on them in 16-token
+    # chunks (two), then takes the last 8 in the final handoff.
+    got = through(deployment.catchup, prompts()[1], None, hold=CATCHUP_HOLD)
+    assert got["output_ids"] == reference[1]
     pdd = got["meta_info"]["pdd"]
     assert pdd["path"] == "P->RLD->MD", json.dumps(pdd)
-    assert pdd["handoff_mode"] == "catchup" and pdd["chunks"] >= 1
-    assert pdd["relay_tokens"] >= 40  # RLD ran ahead past the threshold before MD was fed
+    assert pdd["handoff_mode"] == "catchup" and pdd["chunks"] == 2, pdd
+    assert pdd["relay_tokens"] == CATCHUP_HOLD, pdd
 
 
 @pytest.mark.parametrize("path", ["relay", "pdd", "main"])
 def test_streamed_equals_non_streamed(
     deployment: Deployment, reference: list[list[int]], path: str
 ) -> None:
-    chunks = stream(deployment.router, prompts()[0], path)
+    hold = HOLD if path == "pdd" else None  # a handoff by construction
+    chunks = stream(deployment.router, prompts()[0], path, hold)
     seen: list[int] = []
     for c in chunks:
         # Cumulative, each chunk extends what the client has: every token once, in order.
@@ -195,7 +205,9 @@ def test_streamed_equals_non_streamed(
     final = chunks[-1]["meta_info"]
     assert final["finish_reason"]["type"] == "length"
     assert all("pdd" not in c["meta_info"] for c in chunks[:-1]) and "pdd" in final
-    non_streamed = through(deployment.router, prompts()[0], path)
+    label = {"relay": "P->RLD", "pdd": "P->RLD->MD", "main": "P->MD"}[path]
+    assert final["pdd"]["path"] == label, final["pdd"]
+    non_streamed = through(deployment.router, prompts()[0], path, hold)
     assert non_streamed["text"] == chunks[-1]["text"]
 
 
@@ -210,7 +222,7 @@ def test_relay_finishing_first_is_the_answer(deployment: Deployment) -> None:
     assert pdd["path"] == "P->RLD" and pdd["relay_tokens"] == 2
     assert pdd["md_failure"] == "RLD finished the request first"
     # MD let go of the request: the next handoff works as before.
-    again = through(deployment.router, prompts()[0], "pdd")
+    again = through(deployment.router, prompts()[0], "pdd", hold=HOLD)
     assert again["meta_info"]["pdd"]["path"] == "P->RLD->MD"
 
 
@@ -234,20 +246,17 @@ def test_unreachable_md_leaves_the_request_to_relay(
 def test_md_not_ready_in_time_leaves_the_request_to_relay(
     deployment: Deployment, reference: list[list[int]]
 ) -> None:
-    # RLD's pace makes its 200 tokens last 6 s, so it is still decoding when the 1 s READY
-    # deadline passes (unpaced, a fast CI machine's RLD made 400 in under a second).
-    ids, max_new = prompts()[1], 200
-    body = {"input_ids": ids, "sampling_params": sampling(max_new=max_new)}
-    expected = generate(deployment.colocated.url, body)["output_ids"]
-    got = through(deployment.slow_main, ids, "pdd", max_new=max_new)
-    assert got["output_ids"] == expected
+    # The hold keeps what RLD makes after HOLD tokens (its end too) from the client until the 1 s
+    # READY deadline passes, however fast RLD decodes; then RLD's answer goes on.
+    got = through(deployment.slow_main, prompts()[1], "pdd", hold=HOLD)
+    assert got["output_ids"] == reference[1]
     pdd = got["meta_info"]["pdd"]
     assert pdd["path"] == "P->RLD" and pdd["md_failure"] == "MD not ready within 1s"
     assert "prefill_md_sent" not in pdd["timings"]  # P never had to feed MD
     metrics = urllib.request.urlopen(f"{deployment.slow_main.url}/metrics").read().decode()
     assert 'pdd_router_timeouts_total{wait="ready"} 1' in metrics  # the wait that ran out
     # MD dropped the request it was waiting for: handoffs through MD still work.
-    again = through(deployment.router, prompts()[0], "pdd")
+    again = through(deployment.router, prompts()[0], "pdd", hold=HOLD)
     assert again["output_ids"] == reference[0]
     assert again["meta_info"]["pdd"]["path"] == "P->RLD->MD"
 
@@ -348,7 +357,7 @@ def test_sampled_requests_hand_off(deployment: Deployment) -> None:
     tokens; MD continues from what the client got from RLD."""
     for seed in range(3):
         ids = random_ids(200, seed=seed)
-        got = through(deployment.router, ids, "pdd", temperature=1.0)
+        got = through(deployment.router, ids, "pdd", hold=HOLD, temperature=1.0)
         assert len(got["output_ids"]) == MAX_NEW
         pdd = got["meta_info"]["pdd"]
         assert pdd["path"] == "P->RLD->MD" and pdd["md_failure"] is None, pdd

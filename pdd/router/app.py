@@ -18,7 +18,7 @@ from aiohttp import web
 
 from pdd.control.channel import AsyncControlSocket
 from pdd.policy.path import handoff_blockers
-from pdd.router.body import BadRequest, GenerateRequest, Limits, parse_generate
+from pdd.router.body import HOLD_FIELD, BadRequest, GenerateRequest, Limits, parse_generate
 from pdd.router.config import RouterConfig
 from pdd.router.context import TIERS, NoInstance, RouterContext
 from pdd.router.openai_api import NO_TOKENIZER, OpenAIError, OpenAIRequest, ServedModel, error_body
@@ -123,6 +123,9 @@ async def serve(
         ctx.metrics.inc("errors_total", kind="overloaded")
         message = f"router at capacity ({config.max_active} requests in flight); retry shortly"
         return _error(formatter, 503, message)
+    if parsed.hold_relay is not None and not config.test_controls:
+        message = f"{HOLD_FIELD} is a test control: the router needs --test-controls for it"
+        return _error(formatter, 400, message)
     if parsed.path is not None:
         missing = [tier for tier in NEEDS[parsed.path] if not getattr(config, tier)]
         if missing:
@@ -146,7 +149,8 @@ async def _serve_once(
     except NoInstance as err:
         ctx.metrics.inc("errors_total", kind="no_instance")
         return _error(formatter, 503, f"no instance available: {err}")
-    req = PddRequest(ctx, parsed.body, where, disconnected=lambda: _disconnected(request))
+    req = PddRequest(ctx, parsed.body, where, disconnected=lambda: _disconnected(request),
+                     hold_relay=parsed.hold_relay)  # fmt: skip
     ctx.metrics.active += 1
     response: web.StreamResponse | None = None
     outputs = req.outputs()

@@ -18,6 +18,9 @@ RESERVED = (
     "kv_hints",
 )
 PATH_FIELD = "pdd_path"
+# A test control (the router honours it only with --test-controls): the P->RLD->MD handoff
+# happens when the client has exactly this many of RLD's tokens (see pdd.router.hold).
+HOLD_FIELD = "pdd_hold_relay"
 MAX_STOP = 64  # stop strings or stop token ids per request
 MAX_STOP_CHARS = 1000
 
@@ -40,6 +43,7 @@ class GenerateRequest:
     body: dict[str, Any]  # what goes to the SGLang servers (minus rid, rooms, stream)
     stream: bool
     path: str | None  # the request's own pdd_path
+    hold_relay: int | None = None  # the request's own pdd_hold_relay
 
 
 def is_token(t: object) -> TypeGuard[int]:
@@ -130,5 +134,8 @@ def parse_generate(body: object, limits: Limits = Limits()) -> GenerateRequest:
     path = body.get(PATH_FIELD)
     if path is not None and path not in PATHS:
         raise BadRequest(f"{PATH_FIELD} must be one of {', '.join(PATHS)}")
-    forward = {k: v for k, v in body.items() if k not in (PATH_FIELD, "stream")}
-    return GenerateRequest(forward, stream, path)
+    hold = body.get(HOLD_FIELD)
+    if hold is not None and (not is_token(hold) or hold < 1):
+        raise BadRequest(f"{HOLD_FIELD} must be a positive integer")
+    forward = {k: v for k, v in body.items() if k not in (PATH_FIELD, HOLD_FIELD, "stream")}
+    return GenerateRequest(forward, stream, path, hold)

@@ -95,8 +95,11 @@ class RouterConfig:
     # without a testbed, so tests can force Catch-Up deterministically; 0 in production.
     md_feed_after_tokens: int = 0
     # Pass RLD's tokens on no faster than one per this many seconds: emulates a slower RLD, so
-    # tests that need a handoff do not race a tiny model's decode; 0 in production.
+    # RLD's speed as the router measures it (auto's path choice) is the same on every machine
+    # in the policy tests; 0 in production.
     relay_pace_s: float = 0.0
+    # Honour the requests' test controls (pdd_hold_relay: pdd.router.hold); off in production.
+    test_controls: bool = False
     # How often the router asks each MD what its radix cache holds (also a heartbeat).
     cache_sync_interval_s: float = 5.0
     path_policy: PathPolicy = field(default_factory=PathPolicy)
@@ -337,6 +340,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=0.0,
         help="testing: pass RLD's tokens on no faster than one per this many ms (a slower RLD)",
     )
+    add(
+        "--test-controls",
+        action="store_true",
+        help="for tests only: honour the requests' test controls (pdd_hold_relay: k, the "
+        "P->RLD->MD handoff once the client has k tokens); without it such a request gets 400",
+    )
     add("--log-level", default="info")
     return parser
 
@@ -377,6 +386,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_prompt_tokens=args.max_prompt_tokens,
         md_feed_after_tokens=args.md_feed_after_tokens,
         relay_pace_s=args.relay_pace_ms / 1000.0,
+        test_controls=args.test_controls,
         cache_sync_interval_s=args.cache_sync_interval,
         path_policy=PathPolicy(
             ttft_sla_s=args.ttft_sla,

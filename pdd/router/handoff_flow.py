@@ -45,8 +45,17 @@ class HandoffFlow(RequestBase):
         self.meta.md_prompt_tokens = msg.prompt_len
         self._count_hit("MD", msg.cached_len, msg.prompt_len)
         self._observe_wan(msg)
+        if self.answer is not None:  # P -> MD: MD's answer waited for this READY
+            return [self._final(self.answer)]
         if self.md is not MdState.PENDING:
             return []
+        if self.hold is not None and not self.hold.engaged and self.relay is RelayState.RUNNING:
+            return []  # the client has fewer than the hold's tokens: _take_over comes later
+        return self._take_over()
+
+    def _take_over(self) -> list[Output]:
+        """MD is ready: RLD finishes what little is left, or MD takes over from what the client
+        has (in one extend, or in Catch-Up chunks while RLD decodes on)."""
         pending = len(self.stitcher.emitted)
         left = max_new_tokens(self.body) - pending
         if self.relay is RelayState.RUNNING and relay_finishes(self.cfg.handoff, left=left):

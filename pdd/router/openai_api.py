@@ -8,10 +8,11 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from pdd.router.body import (
+    HOLD_FIELD,
     PATH_FIELD,
     BadRequest,
     GenerateRequest,
@@ -19,6 +20,7 @@ from pdd.router.body import (
     is_token,
     parse_generate,
 )
+from pdd.router.chat_ids import ChatIds, ChatTokenizer
 from pdd.router.tokenizer import TokenizerError
 
 CHAT = "chat"
@@ -45,10 +47,8 @@ def error_body(status: int, message: str, code: str | int | None = None) -> dict
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
-class Tokenizer(Protocol):
+class Tokenizer(ChatTokenizer, Protocol):
     def encode(self, text: str) -> list[int]: ...
-
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
 
 
 # --- requests: OpenAI -> SGLang-native ---------------------------------------------------------
@@ -195,9 +195,13 @@ class OpenAIRequest:
     model: str
     prompt_tokens: int
     include_usage: bool
+    # Called with the answer's text (as the client got it) and its output ids, once served.
+    on_answer: Callable[[str, object], None] | None = None
 
     def formatter(self) -> OpenAIFormatter:
-        return OpenAIFormatter(self.kind, self.model, self.prompt_tokens, self.include_usage)
+        return OpenAIFormatter(
+            self.kind, self.model, self.prompt_tokens, self.include_usage, on_answer=self.on_answer
+        )
 
 
 @dataclass(frozen=True)
@@ -209,6 +213,8 @@ class ServedModel:
     tokenizer: Tokenizer
     limits: Limits = Limits()
     created: int = field(default_factory=lambda: int(time.time()))
+    # Earlier chat answers' generated ids, reused when a conversation comes back (chat_ids.py).
+    chat_ids: ChatIds = field(default_factory=ChatIds)
 
     def models(self) -> dict[str, Any]:
         card = {
@@ -226,12 +232,14 @@ class ServedModel:
         params = _sampling_params(body)  # before tokenizing: cheap checks first
         messages = _messages(body.get("messages"))
         try:
-            ids = self.tokenizer.encode_chat(messages)
+            text, ids = self.chat_ids.encode(self.tokenizer, messages)
         except TokenizerError as err:
             raise _bad(str(err)) from err
         except Exception as err:  # the template is user-supplied Jinja: any error is the input's
             raise _bad(f"the chat template cannot render these messages: {err}") from err
-        return self._request(body, ids, params, CHAT)
+        request = self._request(body, ids, params, CHAT)
+        remember = self.chat_ids.remember
+        return replace(request, on_answer=lambda answer, out: remember(text, ids, answer, out))
 
     def completion(self, body: object) -> OpenAIRequest:
         body = self._check(body)
@@ -272,8 +280,9 @@ class ServedModel:
             "sampling_params": params,
             "stream": stream,
         }
-        if body.get(PATH_FIELD) is not None:
-            native[PATH_FIELD] = body[PATH_FIELD]
+        for name in (PATH_FIELD, HOLD_FIELD):  # the router's own fields pass through
+            if body.get(name) is not None:
+                native[name] = body[name]
         try:
             parsed = parse_generate(native, self.limits)
         except BadRequest as err:
@@ -329,6 +338,7 @@ class OpenAIFormatter:
     started: bool = False
     final: dict[str, Any] | None = None  # the final chunk, once seen without failure
     failed: bool = False
+    on_answer: Callable[[str, object], None] | None = None
 
     @property
     def object(self) -> str:
@@ -356,7 +366,7 @@ class OpenAIFormatter:
         reason = finish_reason(meta.get("finish_reason"))
         if reason is None:
             raise OpenAIError(502, abort_message(meta.get("finish_reason")) or "aborted")
-        text = final.get("text") if isinstance(final.get("text"), str) else ""
+        text = final["text"] if isinstance(final.get("text"), str) else ""
         choice: dict[str, Any] = {"index": 0}
         if self.kind == CHAT:
             choice["message"] = {"role": "assistant", "content": text}
@@ -367,6 +377,8 @@ class OpenAIFormatter:
         out.update(choices=[choice], usage=self._usage(final))
         if "pdd" in meta:
             out["pdd"] = meta["pdd"]  # the path taken, who decoded, the handoff
+        if self.on_answer is not None:
+            self.on_answer(text, final.get("output_ids"))
         return out
 
     def stream_chunk(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
@@ -392,6 +404,8 @@ class OpenAIFormatter:
             last["pdd"] = meta["pdd"]
         events.append(last)
         self.final = chunk
+        if self.on_answer is not None:
+            self.on_answer(self.sent, chunk.get("output_ids"))
         return events
 
     def stream_end(self) -> list[dict[str, Any]]:

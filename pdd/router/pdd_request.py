@@ -76,6 +76,8 @@ class PddRequest(HandoffFlow, ResumeFlow):
                 self.ctx.metrics.inc("errors_total", kind="client_disconnected")
                 return
             outs = self._on_tick() if event is None else self._handle(event)
+            if not any(out.final for out in outs):
+                outs += self._hold_step()
             for out in outs:
                 self.sent_outputs += 1
                 yield out
@@ -84,7 +86,7 @@ class PddRequest(HandoffFlow, ResumeFlow):
 
     def _next_deadline(self) -> float:
         deadlines = [self.t0 + self.cfg.timeouts.request]
-        if self.md is MdState.PENDING:
+        if (self.md is MdState.PENDING and self.ready is None) or self.answer is not None:
             deadlines.append(self.t0 + self.cfg.timeouts.ready)
         if self.md is MdState.CATCHUP and self.ack_deadline is not None:
             deadlines.append(self.ack_deadline)
@@ -93,6 +95,10 @@ class PddRequest(HandoffFlow, ResumeFlow):
     def _handle(self, event: Any) -> list[Output]:
         if isinstance(event, (StreamChunk, StreamEnd)) and event.rid != self._current_rid(event):
             return []  # a call the request has moved on from (e.g. MD's before a resume on MD)
+        if isinstance(event, (StreamChunk, StreamEnd)) and event.source == "relay":
+            event = self._admit_relay(event)
+            if event is None:
+                return []  # held (pdd.router.hold)
         if isinstance(event, StreamChunk):
             if event.source == "relay":
                 return self._on_relay_chunk(event.chunk)
@@ -108,15 +114,48 @@ class PddRequest(HandoffFlow, ResumeFlow):
     def _current_rid(self, event: StreamChunk | StreamEnd) -> str:
         return self.relay_rid if event.source == "relay" else self.main_rid
 
+    def _admit_relay(self, event: StreamChunk | StreamEnd) -> StreamChunk | StreamEnd | None:
+        """RLD's event as the request sees it: under a hold, while MD has not taken over, what
+        comes after the client's first k tokens is held."""
+        hold = self.hold
+        if hold is None or self.md not in (MdState.PENDING, MdState.CATCHUP):
+            return event
+        admitted = hold.admit(event, self.stitcher.text)
+        if hold.engaged:
+            self._mark("relay_held")
+        return admitted
+
+    def _hold_step(self) -> list[Output]:
+        """After each event, under a hold (pdd.router.hold): a READY that came before the client
+        had the hold's tokens is acted on once it has them (or RLD stopped); once MD took over or
+        dropped out, what RLD produced meanwhile is handled as it would have been."""
+        hold = self.hold
+        if hold is None:
+            return []
+        outs: list[Output] = []
+        # Only a READY that waited for the hold leaves MD pending with a READY in hand.
+        if self.md is MdState.PENDING and self.ready is not None:
+            if hold.engaged or self.relay is not RelayState.RUNNING:
+                outs = self._take_over()
+        if self.md not in (MdState.PENDING, MdState.CATCHUP):
+            for event in hold.release():
+                outs += self._handle(event)
+        return outs
+
     def _on_tick(self) -> list[Output]:
         now = time.monotonic()
         timeouts, metrics = self.cfg.timeouts, self.ctx.metrics
         if now >= self.t0 + timeouts.request:
             metrics.inc("timeouts_total", wait="request")
             return self._fail(f"request timed out after {timeouts.request:.0f}s", 504)
-        if self.md is MdState.PENDING and now >= self.t0 + timeouts.ready:
+        if self.md is MdState.PENDING and self.ready is None and now >= self.t0 + timeouts.ready:
             metrics.inc("timeouts_total", wait="ready")
             return self._md_dead(f"MD not ready within {timeouts.ready:g}s", "timeout")
+        if self.answer is not None and now >= self.t0 + timeouts.ready:
+            metrics.inc("timeouts_total", wait="ready")
+            logger.warning("request %s: no READY from MD within %gs; answered without it",
+                           self.rid, timeouts.ready)  # fmt: skip
+            return [self._final(self.answer)]
         if self.md is MdState.CATCHUP and self.ack_deadline and now >= self.ack_deadline:
             metrics.inc("timeouts_total", wait="ack")
             return self._md_dead(f"no ACK within {timeouts.ack:g}s", "timeout")
@@ -221,7 +260,12 @@ class PddRequest(HandoffFlow, ResumeFlow):
 
     def _observe_relay_speed(self) -> None:
         first = self.meta.timings.get("first_token")
-        if first is not None and self.path in ("pdd", "relay"):
+        if first is None or self.path not in ("pdd", "relay"):
+            return
+        held = self.meta.timings.get("relay_held")
+        if held is not None and self.hold is not None:  # the time held is not RLD's
+            self.ctx.relay_speed.observe(self.hold.k, held - first)
+        else:
             self.ctx.relay_speed.observe(len(self.stitcher.emitted), self._now() - first)
 
     def _stop_relay(self) -> None:
@@ -254,10 +298,24 @@ class PddRequest(HandoffFlow, ResumeFlow):
             t = self.meta.timings
             self.meta.handoff_latency_s = round(t["first_main_token"] - t["handoff_sent"], 6)
         self.meta.main_tokens = len(self.stitcher.emitted) - self.meta.relay_tokens
+        if fed.final and self._ready_due():
+            # On P -> MD, MD sends READY (what crossed the WAN) before its first token, but over
+            # the control plane: on a congested link it can come after the answer's end, and
+            # would be lost with the request (no WAN bytes in its meta, nothing learnt of the
+            # WAN). The answer waits for it, until the READY deadline at most.
+            self._mark("end")
+            self.answer = fed.chunk
+            return []
         return [self._final(fed.chunk)] if fed.final else [Output(fed.chunk)]
+
+    def _ready_due(self) -> bool:
+        due = self.path == "main" and self.ready is None and self.meta.resumed_at is None
+        return due and time.monotonic() < self.t0 + self.cfg.timeouts.ready
 
     def _on_stream_end(self, event: StreamEnd) -> list[Output]:
         reason = event.error.reason if event.error else "stream ended without a finish reason"
+        if self.answer is not None:  # MD's answer is complete; it awaits MD's READY
+            return []
         if event.source == "relay":
             if self.relay is RelayState.RUNNING:
                 return self._relay_dead(reason, event.error.status if event.error else 502)

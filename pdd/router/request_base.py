@@ -16,6 +16,7 @@ from typing import Any
 from pdd.control.messages import Ready
 from pdd.policy.handoff import Step
 from pdd.router.context import RouterContext
+from pdd.router.hold import RelayHold
 from pdd.router.planner import Plan
 from pdd.router.request_types import (
     ROOM_LIMIT,
@@ -49,6 +50,7 @@ class RequestBase(ABC):
         body: dict[str, Any],
         plan: Plan,
         disconnected: Callable[[], bool] = lambda: False,
+        hold_relay: int | None = None,
     ) -> None:
         choice = plan.choice
         self.plan = plan
@@ -79,6 +81,9 @@ class RequestBase(ABC):
         self.main_rid = self.rid
         self.released: set[str] = set()
         self.lost_instance = False  # an instance it held went away (see _upstream_failed)
+        # A test control (pdd.router.hold): only a handoff path has a point to fix.
+        self.hold = RelayHold(hold_relay) if hold_relay and self.path == "pdd" else None
+        self.answer: dict[str, Any] | None = None  # P -> MD: MD's last chunk, awaiting READY
 
     # --- set-up ------------------------------------------------------------------------------
 
