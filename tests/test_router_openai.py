@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import json
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,10 @@ from tests.aio_apps import ok_routes, serving, stream_answer
 
 MODEL = "tiny-pdd"
 MESSAGES: list[Any] = [{"role": "user", "content": "Say something about decoding."}]
+# The live router honours test controls: a chat held at HOLD of RLD's tokens until MD is ready
+# (pdd.router.hold) is handed off there, so its text is stitched from both decoders.
+HOLD = 8
+HANDED_OFF = {"pdd_path": "pdd", "pdd_hold_relay": HOLD, "ignore_eos": True}
 
 
 def model_dir() -> Path:
@@ -296,6 +301,49 @@ def test_whole_completion_answer_and_abort() -> None:
     assert failed["error"]["message"] == "MD gone" and failed["pdd"] == PDD
 
 
+def spelled_out(tokenizer: RouterTokenizer, word: str) -> list[int]:
+    """`word` one character per token: what a model may emit, never what the tokenizer makes."""
+    ids = [tokenizer.hf.convert_tokens_to_ids(c) for c in word]
+    assert tokenizer.decode(ids) == word and tokenizer.encode_rendered(word) != ids
+    return ids
+
+
+def test_a_chat_turn_reuses_the_ids_the_model_generated(tokenizer: RouterTokenizer) -> None:
+    """The next turn carries the previous answer as the ids the model generated (MD's cache holds
+    those), not as its text tokenized again; only the text after the answer is tokenized."""
+    served = ServedModel(MODEL, 4096, tokenizer)
+    first = served.chat({"messages": MESSAGES, "stream": True})
+    prompt = first.generate.body["input_ids"]
+    answer = "decoding"
+    generated = spelled_out(tokenizer, answer) + [tokenizer.hf.eos_token_id]
+    formatter = first.formatter()
+    formatter.stream_chunk(native(answer, generated, {"type": "stop", "matched": 2}))
+    assert formatter.sent == answer
+    follow_up = [*MESSAGES, {"role": "assistant", "content": answer},
+                 {"role": "user", "content": "And then?"}]  # fmt: skip
+    ids = served.chat({"messages": follow_up}).generate.body["input_ids"]
+    fresh = tokenizer.encode_chat(follow_up)
+    assert ids[: len(prompt) + len(generated)] == prompt + generated  # EOS = the template's end
+    assert tokenizer.decode(ids) == tokenizer.decode(fresh) and ids != fresh
+    assert served.chat_ids.stats.reused == 1
+    # The turn after reuses this one's answer, spliced ids included (a whole answer, via whole()).
+    second = served.chat({"messages": follow_up})
+    second.formatter().whole(native("x", [tokenizer.hf.convert_tokens_to_ids("x")], None))
+    third = [*follow_up, {"role": "assistant", "content": "x"}, {"role": "user", "content": "?"}]
+    ids3 = served.chat({"messages": third}).generate.body["input_ids"]
+    assert ids3[: len(ids)] == ids
+    # An answer the client changed, or ids that do not spell it, fall back to the text's ids.
+    edited = [*MESSAGES, {"role": "assistant", "content": answer + "!"}]
+    assert served.chat({"messages": edited}).generate.body["input_ids"] == tokenizer.encode_chat(
+        edited
+    )
+    other = ServedModel(MODEL, 4096, tokenizer)
+    wrong = other.chat({"messages": MESSAGES}).formatter()
+    wrong.whole(native(answer, spelled_out(tokenizer, "decodinG"), None))
+    assert other.chat({"messages": follow_up}).generate.body["input_ids"] == fresh
+    assert other.chat_ids.stats.mismatched == 1
+
+
 def test_text_delta_emits_only_new_suffixes() -> None:
     assert text_delta("ab", "abcd", final=False) == "cd"
     assert text_delta("ab", "xbcd", final=False) == ""  # not an extension: nothing, no garbage
@@ -508,10 +556,12 @@ def test_openai_client_through_the_router(fake_router: str) -> None:
 class Live:
     router_url: str
     max_prompt_tokens: int
+    kv_per_token: int
 
 
 @pytest.fixture(scope="module")
 def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    from pdd.launch.pdd_deploy import DECODE_CACHE_FLAG
     from pdd.launch.process import free_port, stop_groups
     from pdd.launch.router import RouterService
     from pdd.launch.servers import SGLangServer
@@ -520,14 +570,16 @@ def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     prefill = SGLangServer("prefill", tiny_model, free_port(), run_dir, mode="prefill",
                            bootstrap_port=free_port())  # fmt: skip
     relay = SGLangServer("relay", tiny_model, free_port(), run_dir, mode="decode")
+    # MD keeps its decode radix cache and reports it to the router (cache sync).
     main = SGLangServer(
         "main", tiny_model, free_port(), run_dir, mode="decode",
-        extra_args=["--pdd-role", "main", "--pdd-control-port", str(free_port())],
+        extra_args=["--pdd-role", "main", "--pdd-control-port", str(free_port()),
+                    DECODE_CACHE_FLAG],
     )  # fmt: skip
     limit = 512
     router = RouterService(
         "router", free_port(), run_dir, prefill=[prefill], relay=[relay], main=[main],
-        extra_args=["--handoff-mode", "extend", "--relay-pace-ms", "30",
+        extra_args=["--handoff-mode", "extend", "--test-controls",
                     "--tokenizer", str(tiny_model), "--served-model-name", MODEL,
                     "--max-prompt-tokens", str(limit)],
     )  # fmt: skip
@@ -537,7 +589,9 @@ def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             s.start()
         for s in services:
             s.wait_ready()
-        yield Live(router.url, limit)
+        from pdd.models.kv import kv_bytes_per_token
+
+        yield Live(router.url, limit, kv_bytes_per_token(tiny_model, dtype_bytes=4))
     finally:
         stop_groups([s.process.pgid for s in services if s.process is not None])
 
@@ -549,7 +603,7 @@ def client(live: Live) -> openai.OpenAI:
 def test_live_chat_streamed_equals_whole(live: Live, tokenizer: RouterTokenizer) -> None:
     api = client(live)
     whole = api.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0
+        model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0, extra_body=HANDED_OFF
     )
     choice = whole.choices[0]
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
@@ -558,7 +612,8 @@ def test_live_chat_streamed_equals_whole(live: Live, tokenizer: RouterTokenizer)
     assert whole.usage.prompt_tokens == len(tokenizer.encode_chat(MESSAGES))
     assert 0 < whole.usage.completion_tokens <= 40
     pdd = (whole.model_extra or {})["pdd"]
-    assert pdd["path"] in ("P->RLD->MD", "P->RLD", "P->MD") and pdd["rid"] in whole.id
+    assert pdd["path"] == "P->RLD->MD" and pdd["relay_tokens"] == HOLD, pdd
+    assert pdd["rid"] in whole.id
 
     chunks = list(
         api.chat.completions.create(
@@ -568,6 +623,7 @@ def test_live_chat_streamed_equals_whole(live: Live, tokenizer: RouterTokenizer)
             temperature=0,
             stream=True,
             stream_options={"include_usage": True},
+            extra_body=HANDED_OFF,
         )
     )
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -575,9 +631,48 @@ def test_live_chat_streamed_equals_whole(live: Live, tokenizer: RouterTokenizer)
     assert chunks[0].choices[0].delta.role == "assistant"
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert [c.choices[0].finish_reason for c in finals] == [choice.finish_reason]
-    assert "path" in (finals[0].model_extra or {})["pdd"]
+    assert (finals[0].model_extra or {})["pdd"]["path"] == "P->RLD->MD"
     assert chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_live_chat_turns_reuse_what_md_holds(live: Live, tokenizer: RouterTokenizer) -> None:
+    """A chat client sends the whole conversation again each turn. MD's decode radix cache holds
+    turn 1's prompt and the ids MD generated; the router renders turn 2 with those same ids for
+    the answer, predicts that MD holds at least turn 1's prompt, and P sends MD only the KV of
+    what follows. (Tokenizing the answer's text again would have given other ids: the random
+    tiny model emits token sequences the tokenizer never makes.)"""
+    api = client(live)
+    system = {"role": "system", "content": "You review Python code."}
+    messages: list[Any] = [system, {"role": "user", "content": "What does `for` do?"}]
+    extra = {"pdd_path": "main", "ignore_eos": True}  # P->MD: MD surely keeps the answer
+    first = api.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0, extra_body=extra
+    )
+    assert first.usage is not None and first.usage.completion_tokens == 40
+    prompt1 = first.usage.prompt_tokens
+    answer = first.choices[0].message.content or ""
+    messages += [{"role": "assistant", "content": answer},
+                 {"role": "user", "content": "And `while`?"}]  # fmt: skip
+    time.sleep(0.5)  # MD's cache sync (batched every 20 ms) reaches the router
+    second = api.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body=extra
+    )
+    assert second.usage is not None
+    meta = (second.model_extra or {})["pdd"]
+    prompt2 = second.usage.prompt_tokens
+    assert meta["path"] == "P->MD" and meta["md_prompt_tokens"] == prompt2, meta
+    # At block granularity (16 tokens), MD holds turn 1's prompt and 40 generated ids.
+    held = prompt1 + 40 - 1  # the last generated token has no KV yet
+    assert meta["md_predicted_cached_tokens"] >= max(prompt1, held - held % 16), (prompt1, meta)
+    assert meta["md_cached_tokens"] >= held, (prompt1, meta)
+    suffix = prompt2 - meta["md_cached_tokens"]
+    assert meta["wan_kv_bytes"] == suffix * live.kv_per_token, meta
+    assert suffix <= prompt2 - prompt1 - 40 + 1, (prompt1, prompt2, meta)
+    fresh = tokenizer.encode_chat(messages)
+    print(f"turn 2: {prompt2} tokens, MD held {meta['md_cached_tokens']} (predicted "
+          f"{meta['md_predicted_cached_tokens']}); the text tokenized again would have been "
+          f"{len(fresh)} tokens")  # fmt: skip
 
 
 def test_live_completion_takes_the_requested_path(live: Live) -> None:

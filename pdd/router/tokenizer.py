@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -91,13 +92,30 @@ class RouterTokenizer:
         return to_token_ids(self.hf.encode(text))
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.encode_rendered(self.render_chat(messages))
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The conversation through the chat template, ready for the assistant's answer."""
         if not self.has_chat_template:
             raise TokenizerError(
                 f"the tokenizer at {self.path.name} has no chat template: "
                 "use /v1/completions with a prompt instead"
             )
-        out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return to_token_ids(out)
+        out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if not isinstance(out, str):
+            raise TokenizerError(f"the chat template rendered {type(out).__name__}, not text")
+        return out
+
+    def encode_rendered(self, text: str) -> list[int]:
+        # As apply_chat_template(tokenize=True) does: the template writes the special tokens.
+        return to_token_ids(self.hf(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.hf.decode(list(ids), skip_special_tokens=False))
+
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(int(t) for t in getattr(self.hf, "all_special_ids", ()) or ())
 
 
 def load_tokenizer(path: Path) -> RouterTokenizer:
