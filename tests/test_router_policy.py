@@ -2,8 +2,9 @@
 
 P and RLD in datacenter A, two MDs in B, the router in A with `--path auto`. The WAN is slow
 (4 Mbit/s) so that, with the tiny model's 1 KB of KV per token (float32), a fresh 1000-token prompt
-takes seconds to reach MD while a conversation's next turn (MD holds all but its last few
-tokens) takes a fraction of one: the three paths each become the right one for some request.
+takes seconds to reach MD, missing the router's 1 s TTFT SLA, while a conversation's next turn (MD
+holds all but its last few tokens) meets it: the three paths each become the right one for some
+request. RLD is small (two requests at once, as its server reports), so the guard shows.
 RLD's tokens are paced at 30 ms each, so its speed is the same on every machine.
 """
 
@@ -13,6 +14,7 @@ import json
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +30,9 @@ from tests.marks import needs_root
 from tests.test_pd_same_dc import random_ids
 
 HEALTH_S = 1.0
+TTFT_SLA_S = 1.0
+RLD_CAPACITY = 2
+BUSY_NEW = 1000
 LONG = 300  # output tokens: 9 s of RLD at 30 ms each, far longer than any transfer here
 
 pytestmark = needs_root
@@ -40,6 +45,7 @@ class Setup:
     mains: list[SGLangServer]
     router: RouterService
     conversation: list[int]  # the prompt of the conversation's next turn
+    unguarded: RouterService  # the same servers, --no-relay-guard
 
     def ask(self, ids: list[int], max_new: int) -> dict:
         sampling = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
@@ -80,7 +86,7 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         run_dir,
         a,
         mode="decode",
-        extra_args=["--pdd-role", "relay"],
+        extra_args=["--pdd-role", "relay", "--max-running-requests", str(RLD_CAPACITY)],
     )
     mains = [
         SGLangServer(f"main{i}", tiny_model, free_port(), run_dir, b, mode="decode",
@@ -91,7 +97,12 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     router = RouterService(
         "router", free_port(), run_dir, [prefill], [relay], mains, a,
         extra_args=["--health-interval", str(HEALTH_S), "--relay-pace-ms", "30",
-                    "--direct-max-ms", "500"],
+                    "--ttft-sla", str(TTFT_SLA_S)],
+    )  # fmt: skip
+    unguarded = RouterService(
+        "unguarded", free_port(), run_dir, [prefill], [relay], mains, a,
+        extra_args=["--health-interval", str(HEALTH_S), "--ttft-sla", str(TTFT_SLA_S),
+                    "--no-relay-guard"],
     )  # fmt: skip
     servers = [colocated, prefill, relay, *mains]
     try:
@@ -100,16 +111,23 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         for s in servers:
             s.wait_ready()
         router.start()
+        unguarded.start()
         router.wait_ready()
-        yield Setup(tb, colocated, mains, router, [])
+        unguarded.wait_ready()
+        yield Setup(tb, colocated, mains, router, [], unguarded)
     finally:
-        groups = [s.process.pgid for s in [*servers, router] if s.process is not None]
+        groups = [s.process.pgid for s in [*servers, router, unguarded] if s.process is not None]
         stop_groups(groups)
         tb.down()
 
 
 def check(setup: Setup, ids: list[int], max_new: int) -> dict:
-    got = setup.ask(ids, max_new)
+    return check_at(setup, setup.router, ids, max_new)
+
+
+def check_at(setup: Setup, router: RouterService, ids: list[int], max_new: int) -> dict:
+    sampling = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+    got = generate(router.url, {"input_ids": ids, "sampling_params": sampling}, 300)
     assert got["output_ids"] == setup.reference(ids, max_new)
     return got["meta_info"]["pdd"]
 
@@ -134,7 +152,7 @@ def test_a_conversations_next_turn_goes_straight_to_the_md_that_holds_it(setup: 
     time.sleep(0.5)  # MD's cache sync reaches the router
     turn = ids + first["output_ids"] + random_ids(20, seed=4)
     meta = check(setup, turn, 24)
-    assert meta["path"] == "P->MD" and meta["path_reason"].startswith("high hit"), meta
+    assert meta["path"] == "P->MD" and meta["path_reason"].startswith("meets the SLA"), meta
     assert meta["instances"]["main"] == first_meta["instances"]["main"], (first_meta, meta)
     assert meta["md_predicted_cached_tokens"] >= len(ids), meta
     setup.conversation[:] = turn
@@ -146,6 +164,49 @@ def test_long_fresh_input_with_a_tiny_answer_stays_on_relay(setup: Setup) -> Non
     assert meta["path"] == "P->RLD" and meta["path_reason"].startswith("singular"), meta
     sent = int(setup.tb.wan.status()["counters"]["a_to_b"]["bytes"]) - before
     assert sent < 0.1 * 2000 * 1024, sent  # the KV never crossed the WAN
+
+
+def plan_beside_a_full_rld(setup: Setup, router: RouterService) -> dict:
+    """A fresh low-hit request with a long answer, sent while RLD runs RLD_CAPACITY relay-only
+    requests of BUSY_NEW tokens each (tens of seconds: they are still running when it is
+    planned, which the end checks). RLD's pool (4096 tokens) holds them and the new one."""
+    sampling = {"temperature": 0, "max_new_tokens": BUSY_NEW, "ignore_eos": True}
+    with ThreadPoolExecutor(RLD_CAPACITY) as pool:
+
+        def occupy(k: int) -> float:
+            body = {"input_ids": random_ids(50, seed=40 + k), "sampling_params": sampling,
+                    "pdd_path": "relay"}  # fmt: skip
+            generate(router.url, body, 600)
+            return time.monotonic()
+
+        busy = [pool.submit(occupy, k) for k in range(RLD_CAPACITY)]
+        deadline = time.monotonic() + 120
+        while relay_load(setup, router) < RLD_CAPACITY:
+            assert time.monotonic() < deadline, "RLD never reported the busy requests"
+            time.sleep(0.2)
+        sent = time.monotonic()
+        meta = check_at(setup, router, random_ids(1000, seed=50), LONG)
+        ends = [f.result() for f in busy]
+    assert min(ends) > sent, "a busy request ended before the probe was planned"
+    return meta
+
+
+def relay_load(setup: Setup, router: RouterService) -> int:
+    with urllib.request.urlopen(f"{router.url}/status", timeout=10) as resp:
+        return int(json.loads(resp.read())["instances"]["relay"][0]["reported_load"] or 0)
+
+
+def test_rld_reports_its_capacity_and_a_full_rld_sends_low_hit_requests_to_md(
+    setup: Setup,
+) -> None:
+    assert setup.status()["instances"]["relay"][0]["capacity"] == RLD_CAPACITY
+    meta = plan_beside_a_full_rld(setup, setup.router)
+    assert meta["path"] == "P->MD" and meta["path_reason"].startswith("RLD full (2/2)"), meta
+
+
+def test_without_the_guard_a_full_rld_takes_low_hit_requests_anyway(setup: Setup) -> None:
+    meta = plan_beside_a_full_rld(setup, setup.unguarded)
+    assert meta["path"] == "P->RLD->MD" and meta["path_reason"].startswith("low hit"), meta
 
 
 def test_a_killed_md_is_avoided_and_no_request_is_lost(setup: Setup) -> None:
