@@ -3,11 +3,15 @@
     python -m pdd.launch.demo [--model models/smollm2] [--turns 4] [--rate-mbit 10]
 
 Needs root. Builds the emulated-WAN testbed (datacenter A and B in network namespaces), starts P
-and RelayDecode in A, MainDecode in B and the PDD router in A, then runs a short agentic session
-(a coding assistant that reads documentation through a tool, turn after turn, so the context
-grows) twice: once through naive cross-datacenter PD (P -> MD: all of the KV crosses the WAN
-before the first token) and once through PDD (P -> RLD -> MD: RLD answers at once while the KV
-crosses, then MD takes over). Prints a table per turn and a summary, writes a PNG, tears down.
+and RelayDecode in A, MainDecode (with its decode-side radix cache) in B and the PDD router in A,
+then runs a short agentic session (a coding assistant that reads documentation through a tool
+and explains each section at length, turn after turn, so the context grows) twice, as a chat
+client would, through the router's OpenAI chat endpoint (each turn sends the whole conversation
+again): once through naive cross-datacenter PD (P -> MD with no decode-side cache: MD's cache is
+flushed before each turn, so all of the prompt's KV crosses the WAN before the first token) and
+once through PDD (the router picks each turn's path: P -> RLD -> MD answers at once while the KV
+MD lacks crosses, then MD takes over; MD keeps each turn's context, so later turns send only the
+new suffix). Prints a table per turn and a summary, writes a PNG, tears down.
 
 Scale: this CPU prefills ~1000x slower than a GPU, so the WAN is scaled alike (default 10 Mbit/s
 standing for 10 Gbit/s) for the KV transfer to weigh what it weighs in production, and so is each
@@ -24,10 +28,12 @@ import os
 import pydoc_data.topics
 import statistics
 import tempfile
+import time
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pdd.eval.client import stream_generate
 from pdd.launch.cli import command_parser
 from pdd.launch.pd_local import format_seconds
 from pdd.launch.pdd_deploy import PDDDeployment
@@ -37,9 +43,10 @@ from pdd.launch.wan import LinkParams
 from pdd.models.kv import kv_bytes_per_token
 
 SYSTEM = (
-    "You are a concise coding assistant. You can call the tool read_doc(topic), which returns "
+    "You are a patient coding assistant. You can call the tool read_doc(topic), which returns "
     "a section of the Python language reference. After each tool result, explain it to the "
-    "user in two plain sentences."
+    "user in detail: what the statement does, how to use it, a short code example, and the "
+    "mistakes people make with it."
 )
 TASK = "I am reviewing a Python code base. Read the documentation I point you to and explain it."
 # Two sessions of the same shape; each path gets its own, so neither profits from the other's
@@ -49,7 +56,11 @@ TOPICS = {
     "pdd": ["while", "try", "class", "import", "raise", "lambda"],
 }
 TOOL_CHARS = 700
-PATHS = {"naive": ("naive cross-DC PD", "main"), "pdd": ("PDD", "pdd")}
+# Each session's name and the path its requests ask for (None: the router's own choice).
+PATHS: dict[str, tuple[str, str | None]] = {"naive": ("naive cross-DC PD", "main"),
+                                           "pdd": ("PDD", None)}  # fmt: skip
+MODEL_NAME = "demo"
+THINK_S = 1.0  # the user reads the answer before the next turn (MD's cache sync lands meanwhile)
 
 
 @dataclass
@@ -61,7 +72,66 @@ class Turn:
     main_tokens: int
     handoff: str | None
     answer: str
-    pdd: dict  # the router's meta_info["pdd"]: path, timings, WAN bytes
+    pdd: dict  # the router's meta_info["pdd"]: path, timings, WAN bytes, MD's cache hit
+
+    @property
+    def md_cached(self) -> int:
+        return int(self.pdd.get("md_cached_tokens") or 0)
+
+
+@dataclass
+class Chat:
+    text: str
+    ttft_s: float | None
+    total_s: float
+    prompt_tokens: int
+    pdd: dict
+
+
+def stream_chat(url: str, body: dict, timeout: float = 600.0) -> Chat:
+    """POSTs a streamed chat completion to the router's OpenAI endpoint and reads it."""
+    req = urllib.request.Request(
+        f"{url}/v1/chat/completions",
+        data=json.dumps({**body, "stream": True,
+                         "stream_options": {"include_usage": True}}).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    start = time.monotonic()
+    text, ttft = "", None
+    usage: dict = {}
+    meta: dict = {}
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data:") :])
+            if "error" in event:
+                raise RuntimeError(f"the chat failed: {event['error']}")
+            for choice in event.get("choices") or ():
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if piece and ttft is None:
+                    ttft = time.monotonic() - start
+                text += piece
+            meta = event.get("pdd") or meta
+            usage = event.get("usage") or usage
+    return Chat(text, ttft, time.monotonic() - start, int(usage.get("prompt_tokens", 0)), meta)
+
+
+def flush_md_cache(url: str, timeout_s: float = 60.0) -> None:
+    """Empties MD's decode-side radix cache, as if it had none (naive cross-DC PD)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        req = urllib.request.Request(f"{url}/flush_cache", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                if resp.status == 200:
+                    return
+        except urllib.error.HTTPError:
+            pass  # requests still running (a transfer the router let finish): try again
+        if time.monotonic() > deadline:
+            raise RuntimeError("MD's cache could not be flushed")
+        time.sleep(0.5)
 
 
 @dataclass
@@ -70,44 +140,49 @@ class Session:
     turns: list[Turn] = field(default_factory=list)
 
 
-def run_session(url: str, tokenizer: object, key: str, turns: int, max_new: int) -> Session:
+def run_session(pdd: PDDDeployment, key: str, turns: int, max_new: int) -> Session:
+    """One chat, turn after turn; the client sends the whole conversation each time, with the
+    answers as it got them (the router reuses the ids it generated for them)."""
     label, path = PATHS[key]
+    naive = key == "naive"
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
     session = Session(label)
+    flush_md_cache(pdd.main.url)  # each session starts with nothing of the other on MD
     for topic in TOPICS[key][:turns]:
+        if naive and session.turns:
+            flush_md_cache(pdd.main.url)
+        time.sleep(THINK_S)
         doc = " ".join(pydoc_data.topics.topics[topic].split())[:TOOL_CHARS]
         messages.append({"role": "user", "content": f"read_doc({topic!r}) returned:\n{doc}"})
-        text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        ids = tokenizer.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
-        sampling = {"temperature": 0, "max_new_tokens": max_new}
-        got = stream_generate(url, {"input_ids": ids, "sampling_params": sampling,
-                                    "pdd_path": path})  # fmt: skip
-        final = got.final
-        meta = final["meta_info"]["pdd"]
-        answer = final["text"].strip()
-        messages.append({"role": "assistant", "content": answer})
-        turn = Turn(len(ids), got.ttft_s or got.total_s, got.total_s, meta["relay_tokens"],
-                    meta["main_tokens"], meta["handoff_mode"], answer, meta)  # fmt: skip
+        body: dict = {"model": MODEL_NAME, "messages": messages, "max_tokens": max_new,
+                      "temperature": 0}  # fmt: skip
+        if path is not None:
+            body["pdd_path"] = path
+        got = stream_chat(pdd.url, body)
+        meta = got.pdd
+        messages.append({"role": "assistant", "content": got.text})
+        turn = Turn(got.prompt_tokens, got.ttft_s or got.total_s, got.total_s,
+                    meta["relay_tokens"], meta["main_tokens"], meta["handoff_mode"], got.text,
+                    meta)  # fmt: skip
         session.turns.append(turn)
         print(f"[{label}] turn {len(session.turns)}: {turn.context_tokens} context tokens, "
-              f"TTFT {turn.ttft_s:.2f}s, total {turn.total_s:.2f}s, tokens from RLD "
-              f"{turn.relay_tokens} / MD {turn.main_tokens}: {answer[:90]!r}",
-              flush=True)  # fmt: skip
+              f"{turn.md_cached} cached on MD, {meta['path']}, TTFT {turn.ttft_s:.2f}s, total "
+              f"{turn.total_s:.2f}s, tokens from RLD {turn.relay_tokens} / MD "
+              f"{turn.main_tokens}: {got.text[:70]!r}", flush=True)  # fmt: skip
     return session
 
 
 def summary(sessions: list[Session]) -> str:
     naive, pdd = sessions
-    lines = [f"{'turn':>4} {'context':>8} {'naive TTFT':>10} {'PDD TTFT':>9} {'speed-up':>8} "
-             f"{'naive E2E':>9} {'PDD E2E':>8} "
-             f"{'PDD tokens RLD/MD':>17} {'handoff':>8}"]  # fmt: skip
+    lines = [f"{'turn':>4} {'context':>7} {'on MD':>6} {'naive TTFT':>10} {'PDD TTFT':>9} "
+             f"{'speed-up':>8} {'naive E2E':>9} {'PDD E2E':>8} {'PDD path':>10} "
+             f"{'PDD tokens RLD/MD':>17} {'handoff':>7}"]  # fmt: skip
     for i, (a, b) in enumerate(zip(naive.turns, pdd.turns, strict=True), 1):
         lines.append(
-            f"{i:>4} {b.context_tokens:>8} {a.ttft_s:>9.2f}s {b.ttft_s:>8.2f}s "
+            f"{i:>4} {b.context_tokens:>7} {b.md_cached:>6} {a.ttft_s:>9.2f}s {b.ttft_s:>8.2f}s "
             f"{a.ttft_s / b.ttft_s:>7.1f}x {a.total_s:>8.2f}s {b.total_s:>7.2f}s "
-            f"{b.relay_tokens:>8}/{b.main_tokens:<8} {b.handoff or 'none':>8}"
+            f"{b.pdd.get('path', '?'):>10} {b.relay_tokens:>8}/{b.main_tokens:<8} "
+            f"{b.handoff or 'none':>7}"
         )
     mean_a = statistics.fmean(t.ttft_s for t in naive.turns)
     mean_b = statistics.fmean(t.ttft_s for t in pdd.turns)
@@ -118,6 +193,15 @@ def summary(sessions: list[Session]) -> str:
     faster = sum(b.total_s < a.total_s for a, b in zip(naive.turns, pdd.turns, strict=True))
     lines.append(f"mean end-to-end: naive cross-DC PD {e2e_a:.2f}s, PDD {e2e_b:.2f}s; PDD "
                  f"finished first in {faster} of {len(pdd.turns)} turns")  # fmt: skip
+    main = sum(t.main_tokens for t in pdd.turns)
+    total = main + sum(t.relay_tokens for t in pdd.turns)
+    later = pdd.turns[1:]
+    context = sum(t.context_tokens for t in later)
+    cached = sum(t.md_cached for t in later)
+    lines.append(f"PDD: MD decoded {main} of {total} tokens ({main / max(total, 1):.0%}); MD's "
+                 f"cache held {cached} of the {context} context tokens of turns 2-"
+                 f"{len(pdd.turns)} ({cached / max(context, 1):.0%}), so only the rest crossed "
+                 f"the WAN")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -147,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = command_parser("pdd.launch.demo", __doc__)
     parser.add_argument("--model", type=Path, default=Path("models/smollm2"))
     parser.add_argument("--turns", type=int, default=4, choices=range(1, 7))
-    parser.add_argument("--max-new", type=int, default=96, help="output tokens per turn (at most)")
+    parser.add_argument("--max-new", type=int, default=320, help="output tokens per turn (at most)")
     parser.add_argument("--rate-mbit", type=float, default=10.0)
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one way")
     add_flow_window_argument(parser)
@@ -170,9 +254,6 @@ def main(argv: list[str] | None = None) -> None:
     if min(args.prefill_threads, args.decode_threads) < 1:
         parser.error("--prefill-threads and --decode-threads must be at least 1")
     exit_on_sigterm()
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="pdd-demo-"))
     kv_kb = kv_bytes_per_token(args.model) / 1024
     title = (f"{args.model.name} ({kv_kb:.0f} KiB of KV per token), WAN {args.rate_mbit:g} Mbit/s, "
@@ -188,18 +269,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     tb.down()
     tb.up()
-    # Both sessions share MD; its decode-side cache would make the naive path less naive.
+    # Both sessions share the servers; the naive one flushes MD's cache before each turn.
     threads = {"prefill": args.prefill_threads, "relay": args.decode_threads,
                "main": args.decode_threads}  # fmt: skip
     env = {role: {"OMP_NUM_THREADS": str(n)} for role, n in threads.items()}
+    router_args = ("--tokenizer", str(args.model), "--served-model-name", MODEL_NAME)
     pdd = PDDDeployment.create(args.model, run_dir, tb.placement("a"), tb.placement("b"),
-                               decode_cache=False, server_env=env)  # fmt: skip
+                               server_env=env, router_args=router_args)  # fmt: skip
     try:
         print("[demo] starting P + RelayDecode in datacenter A, MainDecode in B, router in A",
               flush=True)  # fmt: skip
         print(f"[demo] up; start-up seconds: {format_seconds(pdd.up())}", flush=True)
-        sessions = [run_session(pdd.url, tokenizer, key, args.turns, args.max_new)
-                    for key in ("naive", "pdd")]  # fmt: skip
+        sessions = [run_session(pdd, key, args.turns, args.max_new) for key in ("naive", "pdd")]
     finally:
         pdd.down()
         tb.down()
