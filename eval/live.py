@@ -3,7 +3,7 @@
     python -m pdd.eval live [--model models/wide] [--requests 40] [--rate 0.15 | --rates R1,R2,..
                             | --concurrency N] [--trace FILE] [--scale 0.015] [--max-new 512]
                             [--pool TOKENS] [--rate-mbit 100] [--delay-ms 20] [--ttft-sla 3]
-                            [--tpot-sla 0.5] [--dtype float32] [--out runs/live]
+                            [--route-ttft 1] [--tpot-sla 0.5] [--dtype float32] [--out runs/live]
 
 Needs root. Brings up its own testbed (name `pddlive`): P and RelayDecode (RLD) in datacenter
 A, MainDecode (MD) in B, the PDD router in A, the emulated WAN between them. The same requests
@@ -240,6 +240,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one way")
     add_flow_window_argument(parser)
     parser.add_argument("--ttft-sla", type=float, default=3.0)
+    parser.add_argument(
+        "--route-ttft",
+        type=float,
+        default=1.0,
+        help="the first-token target PDD's router routes by (its --ttft-sla): P->MD when met, "
+        "RLD hides the WAN otherwise. Tighter than the SLA (default %(default)s s, about "
+        "same-DC PD's tail here) so that PDD's TTFT tail stays near same-DC PD's",
+    )
     parser.add_argument("--tpot-sla", type=float, default=0.5)
     parser.add_argument("--deployments", default=",".join(DEFAULT_DEPLOYMENTS),
                         help="comma-separated, in this order, from: "
@@ -318,13 +326,13 @@ def main(argv: list[str] | None = None) -> int:
             pdd = PDDDeployment.create(
                 args.model, args.out / f"servers_{group}", tb.placement("a"),
                 tb.placement("b"), main_args=pool_args, prefill_args=pool_args,
-                decode_cache=first.decode_cache, router_args=first.router_args(args.ttft_sla),
+                decode_cache=first.decode_cache, router_args=first.router_args(args.route_ttft),
                 relay_fraction=first.relay_fraction, server_args=("--dtype", args.dtype),
             )  # fmt: skip
             try:
                 print(f"starting P + RLD ({first.relay_fraction:g} of MD) in A, MD in B, router "
                       f"in A; decode cache {first.decode_cache}; "
-                      f"{first.router_args(args.ttft_sla)}",
+                      f"{first.router_args(args.route_ttft)}",
                       flush=True)  # fmt: skip
                 pdd.up()
                 capacity[group] = served_capacity(pdd.url)
