@@ -6,6 +6,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -21,6 +22,15 @@ class Streamed:
         return self.chunks[-1]
 
 
+def sse_events(lines: Iterable[bytes]) -> Iterator[dict]:
+    """The JSON events of a server-sent-events body, up to `data: [DONE]`."""
+    for raw in lines:
+        line = raw.decode().strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        yield json.loads(line[len("data:") :])
+
+
 def stream_generate(url: str, payload: dict, timeout: float = 300.0) -> Streamed:
     """POSTs `payload` with stream=true and reads the SSE chunks (cumulative, SGLang's default)."""
     req = urllib.request.Request(
@@ -31,11 +41,7 @@ def stream_generate(url: str, payload: dict, timeout: float = 300.0) -> Streamed
     out = Streamed()
     start = time.monotonic()
     with urllib.request.urlopen(req, timeout=timeout) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data:") :])
+        for chunk in sse_events(resp):
             if out.ttft_s is None and chunk.get("output_ids"):
                 out.ttft_s = time.monotonic() - start
             out.chunks.append(chunk)

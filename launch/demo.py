@@ -34,6 +34,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pdd.eval.client import sse_events
 from pdd.launch.cli import command_parser
 from pdd.launch.pd_local import format_seconds
 from pdd.launch.pdd_deploy import PDDDeployment
@@ -101,11 +102,7 @@ def stream_chat(url: str, body: dict, timeout: float = 600.0) -> Chat:
     usage: dict = {}
     meta: dict = {}
     with urllib.request.urlopen(req, timeout=timeout) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data:") :])
+        for event in sse_events(resp):
             if "error" in event:
                 raise RuntimeError(f"the chat failed: {event['error']}")
             for choice in event.get("choices") or ():
