@@ -65,8 +65,9 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     run_dir = tmp_path_factory.mktemp("multi_router")
     colocated = SGLangServer("colocated", tiny_model, free_port(), run_dir)
     tokenizer = ("--tokenizer", str(tiny_model))
+    # RLD as large as MD: BUSY relay answers of LONG_NEW tokens must fit its KV pool at once.
     pdd = PDDDeployment.create(tiny_model, run_dir, tb.placement("a"), tb.placement("b"),
-                               path="pdd", router_args=tokenizer)  # fmt: skip
+                               path="pdd", router_args=tokenizer, relay_fraction=1.0)  # fmt: skip
     second = RouterService("router-b", free_port(), run_dir, [pdd.prefill], [pdd.relay],
                            [pdd.main], tb.placement("a"), path="pdd",
                            extra_args=list(tokenizer))  # fmt: skip
