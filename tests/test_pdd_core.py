@@ -6,9 +6,12 @@ Every path must produce a colocated server's greedy tokens, streamed or not.
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,13 +37,15 @@ SLOW_MBIT = 0.625
 # takes a whole one.
 WAITING_CORES = 0.25
 MAX_NEW = 48
-# The routers pass RLD's tokens on at most one per 30 ms, so 200 tokens take RLD 6 s: MD is
-# ready long before, however fast the tiny model decodes on a given machine.
-LONG_NEW = 200
-# For a test that needs MD to take part whatever the machine: 18 s of paced RLD (fresh-clone
-# CIs saw RLD end LONG_NEW's 6 s before MD was ready); MD decodes the rest fast.
-HANDOFF_NEW = 3 * LONG_NEW
-RELAY_PACE = ("--relay-pace-ms", "30")
+# The routers honour test controls: a request that needs MD to take part holds RLD's output at
+# HOLD tokens until MD is ready (pdd_hold_relay, pdd.router.hold), so it is handed off at exactly
+# HOLD tokens however fast RLD decodes on a given machine.
+TEST_CONTROLS = ("--test-controls",)
+HOLD = 8
+# The Catch-Up routers feed MD once the client has 40 tokens; held there, MD catches up on them
+# in 16-token chunks (two, then the final handoff of the last 8).
+CATCHUP_HOLD = 40
+CATCHUP_NEW = 96
 
 pytestmark = needs_root
 
@@ -70,17 +75,17 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     colocated = SGLangServer("colocated", tiny_model, free_port(), run_dir)
     pdd = PDDDeployment.create(
         tiny_model, run_dir, tb.placement("a"), tb.placement("b"),
-        path="pdd", router_args=("--handoff-mode", "extend", *RELAY_PACE),
+        path="pdd", router_args=("--handoff-mode", "extend", *TEST_CONTROLS),
     )  # fmt: skip
     catchup = RouterService(
         "router-catchup", free_port(), run_dir, [pdd.prefill], [pdd.relay], [pdd.main],
         tb.placement("a"),
         # MD is fed only once RLD has streamed 40 tokens, so Catch-Up always has work; after 4
-        # chunks the rest goes in the final handoff, long before RLD could finish.
+        # chunks the rest goes in the final handoff.
         path="pdd",
         extra_args=["--handoff-mode", "catchup", "--catchup-chunk", "16",
                     "--catchup-threshold", "8", "--catchup-max-chunks", "4",
-                    "--md-feed-after-tokens", "40", *RELAY_PACE],
+                    "--md-feed-after-tokens", "40", *TEST_CONTROLS],
     )  # fmt: skip
     try:
         with serving(colocated, pdd, catchup):
@@ -96,13 +101,13 @@ def pdd_meta(result: dict) -> dict:
 def test_extend_handoff_equals_colocated(setup: Setup) -> None:
     for n in (200, 1500):
         ids = random_ids(n, seed=3000 + n)
-        got = generate(setup.pdd.url, body(ids, max_new=LONG_NEW))
-        assert got["output_ids"] == setup.reference(ids, max_new=LONG_NEW), n
+        got = generate(setup.pdd.url, body(ids, pdd_hold_relay=HOLD))
+        assert got["output_ids"] == setup.reference(ids), n
         meta = pdd_meta(got)
         print(f"extend meta ({n} tokens):", meta)
         assert meta["path"] == "P->RLD->MD", meta
         assert meta["handoff_mode"] == "extend", meta
-        assert 1 <= meta["relay_tokens"] < LONG_NEW, meta
+        assert meta["relay_tokens"] == HOLD and meta["main_tokens"] == MAX_NEW - HOLD, meta
         # What MD lacked crossed the WAN (fresh prompts: all of it, bar a chance first token).
         assert meta["md_cached_tokens"] <= 1, meta
         assert meta["wan_kv_bytes"] == (n - meta["md_cached_tokens"]) * 1024, meta  # float32
@@ -110,25 +115,47 @@ def test_extend_handoff_equals_colocated(setup: Setup) -> None:
 
 def test_catch_up_handoff_in_several_chunks_equals_colocated(setup: Setup) -> None:
     ids = random_ids(1200, seed=41)
-    got = generate(setup.catchup.url, body(ids, max_new=LONG_NEW))
-    assert got["output_ids"] == setup.reference(ids, max_new=LONG_NEW)
+    got = generate(setup.catchup.url, body(ids, CATCHUP_NEW, pdd_hold_relay=CATCHUP_HOLD))
+    assert got["output_ids"] == setup.reference(ids, CATCHUP_NEW)
     meta = pdd_meta(got)
     print("catch-up meta:", meta)
     assert meta["path"] == "P->RLD->MD" and meta["handoff_mode"] == "catchup", meta
-    assert meta["chunks"] >= 2, meta
+    assert meta["chunks"] == 2 and meta["relay_tokens"] == CATCHUP_HOLD, meta
 
 
 def test_request_ending_on_relay_equals_colocated_and_cancels_md(setup: Setup) -> None:
     ids = random_ids(700, seed=42)
     ref = setup.reference(ids, max_new=2)
-    setup.tb.set_rate(SLOW_MBIT)  # the KV takes seconds: RLD surely finishes first
-    try:
+    with slow_link(setup.tb, setup.pdd.url):  # the KV takes seconds: RLD surely finishes first
         got = generate(setup.pdd.url, body(ids, max_new=2))
-    finally:
-        setup.tb.restore()
     assert got["output_ids"] == ref
     meta = pdd_meta(got)
     assert meta["relay_tokens"] == 2 and meta["handoff_mode"] is None, meta
+
+
+def wait_until_md_up(router_url: str, timeout_s: float = 60.0) -> None:
+    """The router's health checks of MD cross the WAN too: while a transfer saturated a slow
+    link MD may have looked down, and a request planned then would leave it out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(f"{router_url}/status", timeout=10) as resp:
+            mains = json.loads(resp.read())["instances"]["main"]
+        if all(m["up"] for m in mains):
+            return
+        assert time.monotonic() < deadline, f"MD still down on the router: {mains}"
+        time.sleep(0.5)
+
+
+@contextmanager
+def slow_link(tb: Testbed, router_url: str) -> Iterator[None]:
+    """The link at SLOW_MBIT for the block; after it, the link restored and MD up again on the
+    router, so the next request is planned as on a quiet link."""
+    tb.set_rate(SLOW_MBIT)
+    try:
+        yield
+    finally:
+        tb.restore()
+        wait_until_md_up(router_url)
 
 
 def cores_while_kv_crosses(
@@ -141,17 +168,15 @@ def cores_while_kv_crosses(
                   for name, server in (("P", p), ("MD", md))
                   if server.process is not None}  # fmt: skip
     sampler = CpuSampler(schedulers)
-    tb.set_rate(SLOW_MBIT)
     sampler.start()
     try:
-        with ThreadPoolExecutor(1) as pool:
+        with slow_link(tb, router_url), ThreadPoolExecutor(1) as pool:
             answer = pool.submit(generate, router_url, {**request, "pdd_path": "main"}, 120)
             start = time.monotonic()
             time.sleep(6)
             cores = sampler.cores(start + 2, start + 6)
             got = answer.result()
     finally:
-        tb.restore()
         sampler.stop.set()
         sampler.join()
     meta = pdd_meta(got)
@@ -174,15 +199,16 @@ def test_schedulers_wait_without_spinning_while_kv_crosses(setup: Setup) -> None
 
 
 def test_streamed_equals_non_streamed(setup: Setup) -> None:
-    ids, max_new = random_ids(900, seed=43), HANDOFF_NEW  # right after the slow-link test
-    whole = generate(setup.pdd.url, body(ids, max_new=max_new))
-    chunks = stream_generate(setup.pdd.url, body(ids, max_new=max_new)).chunks
-    assert chunks[-1]["output_ids"] == whole["output_ids"]
+    ids = random_ids(900, seed=43)
+    whole = generate(setup.pdd.url, body(ids, pdd_hold_relay=HOLD))
+    chunks = stream_generate(setup.pdd.url, body(ids, pdd_hold_relay=HOLD)).chunks
+    assert chunks[-1]["output_ids"] == whole["output_ids"] == setup.reference(ids)
     assert chunks[-1]["text"] == whole["text"]
     # Cumulative chunks: each extends the previous, so every token reaches the client once.
     for before, after in zip(chunks, chunks[1:], strict=False):
         assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
-    assert pdd_meta(chunks[-1])["path"] == "P->RLD->MD", pdd_meta(chunks[-1])
+    for meta in (pdd_meta(whole), pdd_meta(chunks[-1])):
+        assert meta["path"] == "P->RLD->MD" and meta["relay_tokens"] == HOLD, meta
 
 
 @pytest.mark.parametrize("path", ["relay", "main"])

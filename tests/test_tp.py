@@ -28,10 +28,11 @@ from tests import test_main_decode as md_harness
 from tests.marks import needs_root
 from tests.test_pd_same_dc import random_ids
 from tests.test_pdd_core import (
-    HANDOFF_NEW,
-    LONG_NEW,
+    CATCHUP_HOLD,
+    CATCHUP_NEW,
+    HOLD,
     MAX_NEW,
-    RELAY_PACE,
+    TEST_CONTROLS,
     WAITING_CORES,
     body,
     cores_while_kv_crosses,
@@ -74,14 +75,14 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     pdd = PDDDeployment.create(
         tiny_model, run_dir, a, b, server_args=TP2, path="pdd",
         main_args=("--pdd-handoff-batch-ms", str(BATCH_MS)),
-        router_args=("--handoff-mode", "extend", *RELAY_PACE),
+        router_args=("--handoff-mode", "extend", *TEST_CONTROLS),
     )  # fmt: skip
     catchup = RouterService(
         "router-catchup", free_port(), run_dir, [pdd.prefill], [pdd.relay], [pdd.main], a,
         path="pdd",
         extra_args=["--handoff-mode", "catchup", "--catchup-chunk", "16",
                     "--catchup-threshold", "8", "--catchup-max-chunks", "4",
-                    "--md-feed-after-tokens", "40", *RELAY_PACE],
+                    "--md-feed-after-tokens", "40", *TEST_CONTROLS],
     )  # fmt: skip
     main_tp1 = SGLangServer(
         "main-tp1", tiny_model, free_port(), run_dir, b, mode="decode",
@@ -90,7 +91,7 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     )  # fmt: skip
     mixed = RouterService("router-mixed", free_port(), run_dir, [pdd.prefill], [pdd.relay],
                           [main_tp1], a, path="pdd",
-                          extra_args=["--handoff-mode", "extend", *RELAY_PACE])  # fmt: skip
+                          extra_args=["--handoff-mode", "extend", *TEST_CONTROLS])  # fmt: skip
     routers = [catchup, mixed]
     colocated.start()
     main_tp1.start()
@@ -114,22 +115,28 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def test_every_path_at_tp2_equals_colocated(setup: Setup, path: str) -> None:
     ids = random_ids(900, seed=7000 + len(path))
     router = setup.catchup if path == "catchup" else setup.pdd.router
-    extra = {"pdd_path": path} if path in ("relay", "main") else {}
-    got = generate(router.url, body(ids, LONG_NEW, **extra))
-    assert got["output_ids"] == setup.reference(ids, LONG_NEW), path
+    # A handoff path holds RLD's output until MD is ready, so MD takes part on any machine.
+    hold = {"extend": HOLD, "catchup": CATCHUP_HOLD}.get(path)
+    max_new = CATCHUP_NEW if path == "catchup" else MAX_NEW
+    extra = {"pdd_path": path} if hold is None else {"pdd_hold_relay": hold}
+    got = generate(router.url, body(ids, max_new, **extra))
+    assert got["output_ids"] == setup.reference(ids, max_new), path
     meta = pdd_meta(got)
     expected = {"relay": "P->RLD", "main": "P->MD"}.get(path, "P->RLD->MD")
     assert meta["path"] == expected, meta
     if expected == "P->RLD->MD":
-        assert meta["handoff_mode"] == path and meta["main_tokens"] > 0, meta
+        assert meta["handoff_mode"] == path, meta
+        assert meta["relay_tokens"] == hold and meta["main_tokens"] > 0, meta
 
 
 def test_streamed_equals_not_streamed_at_tp2(setup: Setup) -> None:
     ids = random_ids(700, seed=7100)
-    whole = generate(setup.pdd.url, body(ids, LONG_NEW))
-    chunks = stream_generate(setup.pdd.url, body(ids, LONG_NEW)).chunks
-    assert chunks[-1]["output_ids"] == whole["output_ids"] == setup.reference(ids, LONG_NEW)
-    assert pdd_meta(chunks[-1])["path"] == "P->RLD->MD"
+    whole = generate(setup.pdd.url, body(ids, MAX_NEW, pdd_hold_relay=HOLD))
+    chunks = stream_generate(setup.pdd.url, body(ids, MAX_NEW, pdd_hold_relay=HOLD)).chunks
+    assert chunks[-1]["output_ids"] == whole["output_ids"] == setup.reference(ids, MAX_NEW)
+    assert chunks[-1]["text"] == whole["text"]
+    for meta in (pdd_meta(whole), pdd_meta(chunks[-1])):
+        assert meta["path"] == "P->RLD->MD" and meta["relay_tokens"] == HOLD, meta
 
 
 @pytest.mark.parametrize("path", ["main", "pdd"])
@@ -138,9 +145,12 @@ def test_p_at_tp2_feeds_an_md_at_tp1(setup: Setup, path: str) -> None:
     # layer as its own transfer (send_kvcache_slice); an 800-token prompt, 3200 writes across
     # the 40 ms-RTT WAN, once exceeded Mooncake's 30 s transfer timeout on a loaded 2-core CI.
     ids = random_ids(120, seed=7200 + len(path))
-    got = generate(setup.mixed.url, body(ids, HANDOFF_NEW, pdd_path=path))
-    assert got["output_ids"] == setup.reference(ids, HANDOFF_NEW)
-    assert pdd_meta(got)["main_tokens"] > 0, pdd_meta(got)
+    hold = {"pdd_hold_relay": HOLD} if path == "pdd" else {}  # MD takes part on any machine
+    got = generate(setup.mixed.url, body(ids, MAX_NEW, pdd_path=path, **hold))
+    assert got["output_ids"] == setup.reference(ids, MAX_NEW)
+    meta = pdd_meta(got)
+    assert meta["path"] == {"main": "P->MD", "pdd": "P->RLD->MD"}[path], meta
+    assert meta["main_tokens"] == MAX_NEW - (HOLD if path == "pdd" else 0), meta
 
 
 def extend_forwards(log: str) -> dict[str, list[int]]:
