@@ -183,6 +183,11 @@ class PddRequest(HandoffFlow, ResumeFlow):
                 # still serve the request.
                 self._stop_relay()  # RLD's request would wait for that KV
                 return self._relay_dead(f"prefill for RLD failed: {reason}", status)
+            if self.path == "main" and status >= 500 and not self.lost_instance:
+                # P is alive but could not send MD the KV (MD died or was cut off mid-transfer):
+                # RLD takes the request from the tokens the client has (none yet, usually).
+                if self._resume("relay", f"prefill for MD failed: {reason}"):
+                    return []
             return self._fail(f"prefill failed: {reason}", status)
         self._mark("prefill_done")
         self.meta.p_cached_tokens = event.cached_tokens
