@@ -37,6 +37,8 @@ def sig(**kw: object) -> Signals:
         (sig(max_new_tokens=4, relay_decode_s=0.12, transfer_s=0.5), "relay", "singular"),
         # ...unless relay-only traffic already fills its share (half of 8) of RLD.
         (sig(max_new_tokens=4, relay_decode_s=0.12, relay_load=4), "pdd", "low hit"),
+        # ...and while the WAN estimate is stale, MD is fed too, to measure the link again.
+        (sig(max_new_tokens=4, relay_decode_s=0.12, wan_stale=True), "pdd", "stale"),
         # RLD full (its own capacity when reported, else the policy's): P->MD above the SLA.
         (sig(relay_load=8), "main", "RLD full (8/8)"),
         (sig(relay_load=2, relay_capacity=2), "main", "RLD full (2/2)"),

@@ -86,6 +86,7 @@ class Signals:
     md_available: bool = True
     prefill_s: float | None = None  # P computing the prompt's uncached part; None: unknown
     relay_capacity: int | None = None  # requests the chosen RLD runs at once, as it reports
+    wan_stale: bool = False  # no transfer taught the WAN estimate for a while
 
 
 def direct_ttft(s: Signals) -> float | None:
@@ -108,9 +109,11 @@ def auto_path(s: Signals, policy: PathPolicy) -> PathChoice:
     if t is not None and d is not None and d * policy.margin < t:
         # The KV would cross for nothing: no WAN for answers RLD makes alone.
         if s.relay_load < policy.relay_only_share * capacity:
-            return PathChoice(
-                "relay", f"singular: RLD finishes in ~{d:.2f}s, before the KV (~{t:.2f}s)"
-            )
+            why = f"singular: RLD finishes in ~{d:.2f}s, before the KV (~{t:.2f}s)"
+            if s.wan_stale:
+                # RLD still answers first; MD gets the KV so that the link is measured again.
+                return PathChoice("pdd", f"{why}; WAN estimate stale: MD fed to measure")
+            return PathChoice("relay", why)
     ttft = direct_ttft(s)
     if ttft is not None and ttft <= policy.ttft_sla_s:
         return PathChoice("main", f"meets the SLA: {hit}, first token in ~{ttft:.2f}s on P->MD")

@@ -69,6 +69,7 @@ def plan(ctx: RouterContext, body: dict[str, Any], requested: str | None,
     if main is not None and ids is not None:
         transfer = ctx.wan[main].transfer_s(prompt - (predicted or 0))
     max_new = max_new_tokens(body)
+    now = time.monotonic()
     signals = Signals(
         prompt_tokens=prompt,
         max_new_tokens=max_new,
@@ -79,15 +80,11 @@ def plan(ctx: RouterContext, body: dict[str, Any], requested: str | None,
         md_available=main is not None,
         prefill_s=ctx.prefill_speed.prefill_s(max(prompt - p_cached, 0)),
         relay_capacity=None if relay is None else ctx.relay_capacity(relay),
+        wan_stale=main is not None and ctx.wan[main].wants_probe(now),
     )
     choice = choose_path(requested, cfg.path, blockers, signals, cfg.path_policy)
-    now = time.monotonic()
-    if choice.path == "relay" and choice.reason.startswith("singular") and main is not None:
-        wan = ctx.wan[main]
-        if wan.wants_probe(now):
-            # RLD still answers first; MD gets the KV so that the link is measured again.
-            wan.probed(now)
-            choice = PathChoice("pdd", f"{choice.reason}; WAN estimate stale: MD fed to measure")
+    if signals.wan_stale and choice.path == "pdd" and main is not None:
+        ctx.wan[main].probed(now)  # this transfer measures the link: one probe is enough
     if choice.path == "pdd" and (relay is None or main is None):
         # One tier down: the other still serves the request, without a handoff.
         down = "RLD" if relay is None else "MD"
