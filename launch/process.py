@@ -105,15 +105,17 @@ class ManagedProcess:
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
     popen: subprocess.Popen[bytes] | None = None
+    log_start: int = 0  # where this start's output begins in the log
 
     @property
     def pgid(self) -> int:
         assert self.popen is not None, f"{self.name} was never started"
         return self.popen.pid  # a session leader's pid is its group id
 
-    def start(self) -> None:
+    def start(self, log_mode: str = "wb") -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
+        with open(self.log_path, log_mode) as log:
+            self.log_start = log.tell()
             self.popen = subprocess.Popen(
                 self.argv,
                 stdout=log,
@@ -123,12 +125,22 @@ class ManagedProcess:
                 start_new_session=True,
             )
 
+    def restart(self) -> float:
+        """Stop what is left of the group and start again, appending to the same log (so the
+        failed start stays readable); returns the seconds the stop took."""
+        start = time.monotonic()
+        self.stop()
+        self.start(log_mode="ab")
+        return time.monotonic() - start
+
     def exited(self) -> bool:
         return self.popen is not None and self.popen.poll() is not None
 
     def log_tail(self, lines: int = 30) -> str:
         try:
-            text = self.log_path.read_text(errors="replace")
+            with open(self.log_path, "rb") as log:
+                log.seek(self.log_start)
+                text = log.read().decode(errors="replace")
         except FileNotFoundError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])

@@ -20,6 +20,10 @@ SERVER_START_TIMEOUT_S = 300.0
 # sets float32: in bf16 a greedy near-tie can flip with the batch a request shares, so two correct
 # paths (P->D and colocated) may then differ, and an equality test would flake.
 DTYPE_ENV = "PDD_SERVER_DTYPE"
+# SGLang picks its torch rendezvous port (22000-29999) in one process and binds it seconds later
+# in another; a server started meanwhile can take it. Such a start is retried with a fresh pick.
+PORT_RACE_MARKER = "EADDRINUSE"
+PORT_RACE_RETRIES = 2
 
 
 @dataclass(frozen=True)
@@ -76,8 +80,20 @@ class HttpService:
         self.process.start()
 
     def wait_ready(self, timeout: float = SERVER_START_TIMEOUT_S) -> float:
-        assert self.process is not None, f"{self.name} was never started"
-        return self.process.wait_http_ok(f"{self.url}/health", timeout)
+        """Seconds until /health answers; a start that lost a port race is retried."""
+        process = self.process
+        assert process is not None, f"{self.name} was never started"
+        waited = 0.0
+        for attempt in range(PORT_RACE_RETRIES + 1):
+            try:
+                return waited + process.wait_http_ok(f"{self.url}/health", timeout)
+            except RuntimeError:
+                lost_race = process.exited() and PORT_RACE_MARKER in process.log_tail(200)
+                if not lost_race or attempt == PORT_RACE_RETRIES:
+                    raise
+            print(f"{self.name} lost a port race at start-up; starting it again", flush=True)
+            waited += process.restart()
+        raise AssertionError("unreachable")
 
 
 @dataclass

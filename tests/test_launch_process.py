@@ -1,0 +1,80 @@
+"""Start-up of a managed server: a start that lost a port race is retried, other failures are not.
+
+The "server" is a real process serving real HTTP; its start-up failures are scripted."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pdd.launch.process import ManagedProcess, free_port
+from pdd.launch.servers import LOCAL, PORT_RACE_RETRIES, HttpService, Placement
+
+# Counts its starts in a file; fails the first `fails` of them with `message`, then serves /health.
+SERVER = """
+import http.server, pathlib, sys
+port, fails, message = int(sys.argv[1]), int(sys.argv[3]), sys.argv[4]
+starts_file = pathlib.Path(sys.argv[2])
+starts = int(starts_file.read_text()) + 1 if starts_file.exists() else 1
+starts_file.write_text(str(starts))
+if starts <= fails:
+    print(message, flush=True)
+    sys.exit(1)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+@dataclass
+class Fake(HttpService):
+    name: str
+    port: int
+    log_dir: Path
+    placement: Placement = LOCAL
+    process: ManagedProcess | None = None
+
+
+RACE = "torch.distributed.DistNetworkError: port: 22028, code: -98, name: EADDRINUSE"
+
+
+def start(tmp_path: Path, fails: int, message: str) -> Fake:
+    port = free_port()
+    service = Fake(name="fake", port=port, log_dir=tmp_path)
+    argv = [sys.executable, "-c", SERVER, str(port), str(tmp_path / "starts"), str(fails), message]
+    service.launch(argv)
+    return service
+
+
+def starts(tmp_path: Path) -> int:
+    return int((tmp_path / "starts").read_text())
+
+
+def test_a_start_that_lost_a_port_race_is_retried_and_serves(tmp_path: Path) -> None:
+    service = start(tmp_path, fails=1, message=RACE)
+    try:
+        service.wait_ready(timeout=60)
+        assert starts(tmp_path) == 2
+        assert RACE in (tmp_path / "fake.log").read_text(), "the failed start's log was kept"
+    finally:
+        assert service.process is not None
+        service.process.stop()
+
+
+def test_port_race_retries_are_bounded(tmp_path: Path) -> None:
+    service = start(tmp_path, fails=PORT_RACE_RETRIES + 1, message=RACE)
+    with pytest.raises(RuntimeError, match="EADDRINUSE"):
+        service.wait_ready(timeout=60)
+    assert starts(tmp_path) == PORT_RACE_RETRIES + 1
+
+
+def test_any_other_start_failure_is_not_retried(tmp_path: Path) -> None:
+    service = start(tmp_path, fails=1, message="ValueError: bad model")
+    with pytest.raises(RuntimeError, match="bad model"):
+        service.wait_ready(timeout=60)
+    assert starts(tmp_path) == 1
