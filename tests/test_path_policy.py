@@ -8,7 +8,14 @@ import pytest
 
 from pdd.policy.balance import pick_by_prefix, pick_least_loaded
 from pdd.policy.path import PathPolicy, Signals, auto_path, choose_path, transfer_seconds
-from pdd.router.estimates import STALE_S, RelaySpeed, direct_wan_seconds, wan_estimate
+from pdd.router.estimates import (
+    RESIDUAL_TTL_S,
+    STALE_S,
+    FirstTokenResidual,
+    RelaySpeed,
+    direct_wan_seconds,
+    wan_estimate,
+)
 from pdd.router.health import Health
 from pdd.router.prefix_index import PrefixIndex
 
@@ -31,6 +38,8 @@ def sig(**kw: object) -> Signals:
         (sig(), "pdd", "low hit"),
         # The same at 1.4 s of KV: 2.9 s meets the SLA, MD decodes from the first token.
         (sig(transfer_s=1.4), "main", "meets the SLA"),
+        # ...but not when P->MD first tokens lately took 0.5 s more than compute + transfer.
+        (sig(transfer_s=1.4, main_extra_s=0.5), "pdd", "first token on P->MD ~3.40s"),
         # Low hit, 4-token answer: RLD is done in 0.12 s, long before the KV (2 s): singular.
         (sig(max_new_tokens=4, relay_decode_s=0.12), "relay", "singular"),
         # ...also when P->MD would meet the SLA: no WAN for an answer RLD makes alone.
@@ -210,3 +219,28 @@ def test_prefix_index_remembers_recent_prompts() -> None:
     index.add(b)
     index.add(list(range(900, 916)))  # an 11th block: a's first block is the oldest, dropped
     assert index.cached_prefix(a) == 0 and index.cached_prefix(b) == 80
+
+
+def test_first_token_residual_is_a_high_quantile_of_recent_misses() -> None:
+    r = FirstTokenResidual()
+    r.observe(0.2, now=0.0)
+    r.observe(0.3, now=1.0)
+    assert r.value(now=2.0) == 0.0, "two samples are not enough to learn from"
+    for i in range(8):
+        r.observe(0.1 * i, now=2.0 + i)  # 0.0 ... 0.7
+    # Ten residuals: 0.0, 0.1, 0.2, 0.2, 0.3, 0.3, 0.4, 0.5, 0.6, 0.7; the 90th percentile is 0.6.
+    assert r.value(now=10.0) == pytest.approx(0.6)
+    # A first token faster than predicted does not make the prediction shorter than its base.
+    early = FirstTokenResidual()
+    for i in range(3):
+        early.observe(-0.4, now=float(i))
+    assert early.value(now=3.0) == 0.0
+
+
+def test_first_token_residual_forgets_so_md_is_measured_again() -> None:
+    r = FirstTokenResidual()
+    for i in range(5):
+        r.observe(2.0, now=float(i))
+    assert r.value(now=5.0) == pytest.approx(2.0)
+    # Long after: the residual that kept requests off P->MD is gone, so P->MD is tried again.
+    assert r.value(now=5.0 + RESIDUAL_TTL_S) == 0.0

@@ -87,10 +87,18 @@ class Signals:
     prefill_s: float | None = None  # P computing the prompt's uncached part; None: unknown
     relay_capacity: int | None = None  # requests the chosen RLD runs at once, as it reports
     wan_stale: bool = False  # no transfer taught the WAN estimate for a while
+    main_extra_s: float = 0.0  # what P->MD first tokens took lately beyond compute + transfer
 
 
 def direct_ttft(s: Signals) -> float | None:
-    """Predicted time to first token on P->MD: P's compute, then the suffix's KV to MD."""
+    """Predicted time to first token on P->MD: P's compute, then the suffix's KV to MD, plus
+    what such first tokens took lately beyond those two."""
+    base = direct_ttft_base(s)
+    return None if base is None else base + s.main_extra_s
+
+
+def direct_ttft_base(s: Signals) -> float | None:
+    """P's compute and the suffix's KV to MD: what the learnt extra is measured against."""
     if s.transfer_s is None:
         return None
     return (s.prefill_s or 0.0) + s.transfer_s

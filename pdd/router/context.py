@@ -14,7 +14,13 @@ from pdd.control.channel import AsyncControlSocket, Received
 from pdd.control.messages import CacheSync, Message
 from pdd.policy.balance import pick_by_prefix, pick_least_loaded
 from pdd.router.config import RouterConfig
-from pdd.router.estimates import PrefillSpeed, RelaySpeed, WanEstimate, wan_estimate
+from pdd.router.estimates import (
+    FirstTokenResidual,
+    PrefillSpeed,
+    RelaySpeed,
+    WanEstimate,
+    wan_estimate,
+)
 from pdd.router.health import Health
 from pdd.router.md_caches import MdCaches
 from pdd.router.metrics import Metrics
@@ -44,6 +50,7 @@ class RouterContext:
     caches: MdCaches = field(init=False)
     health: Health = field(init=False)
     wan: list[WanEstimate] = field(init=False)  # per MD
+    first_token_residual: list[FirstTokenResidual] = field(init=False)  # per MD
     relay_speed: RelaySpeed = field(default_factory=RelaySpeed)
     prefill_speed: PrefillSpeed = field(default_factory=PrefillSpeed)
     prefill_index: list[PrefixIndex] = field(init=False)  # per P
@@ -59,6 +66,7 @@ class RouterContext:
         }
         self.health = Health(urls, cfg.health_interval_s)
         self.wan = [wan_estimate(cfg.wan_mbit) for _ in cfg.main]
+        self.first_token_residual = [FirstTokenResidual() for _ in cfg.main]
         self.prefill_index = [PrefixIndex(cfg.prefill_index_blocks) for _ in cfg.prefill]
         for tier in TIERS:
             self.loads.setdefault(tier, Load([0] * len(urls[tier])))

@@ -6,6 +6,7 @@ WAN that changes."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -27,6 +28,14 @@ STALE_S = 60.0
 # On P -> MD, P's estimated compute is subtracted from the time to READY; beyond this share of
 # it, the estimate's error would swamp the WAN's part.
 MAX_COMPUTE_SHARE = 0.25
+# P -> MD's first token comes later than P's compute plus the KV's crossing: MD's admission and
+# first step, the bootstrap's round trips, P's queue. The router adds a high quantile of what
+# recent first tokens took beyond that prediction, so that its TTFT tail is what it plans for.
+RESIDUAL_QUANTILE = 0.9
+RESIDUAL_MIN_SAMPLES = 3
+# Older residuals are forgotten: a residual that sends every request elsewhere would otherwise
+# never be measured again.
+RESIDUAL_TTL_S = 300.0
 
 
 @dataclass
@@ -128,6 +137,25 @@ class WanEstimate:
             "samples": self.samples,
             "rejected_in_a_row": self.rejected,
         }
+
+
+@dataclass
+class FirstTokenResidual:
+    """One MD's recent (time, seconds) by which P -> MD first tokens missed their prediction."""
+
+    recent: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
+
+    def observe(self, seconds: float, now: float) -> None:
+        self.recent.append((now, seconds))
+
+    def value(self, now: float) -> float:
+        """RESIDUAL_QUANTILE of the residuals younger than RESIDUAL_TTL_S (never below 0), or 0
+        until there are RESIDUAL_MIN_SAMPLES of them."""
+        live = sorted(x for t, x in self.recent if now - t <= RESIDUAL_TTL_S)
+        if len(live) < RESIDUAL_MIN_SAMPLES:
+            return 0.0
+        rank = min(len(live) - 1, math.ceil(RESIDUAL_QUANTILE * len(live)) - 1)
+        return max(live[rank], 0.0)
 
 
 def direct_wan_seconds(total_s: float, compute_s: float | None) -> float:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdd.cache.blocks import PromptHashes
-from pdd.policy.path import PathChoice, Signals, choose_path
+from pdd.policy.path import PathChoice, Signals, choose_path, direct_ttft_base
 from pdd.router.context import NoInstance, RouterContext
 
 DEFAULT_MAX_NEW = 128  # SGLang's default max_new_tokens
@@ -26,6 +26,7 @@ class Plan:
     main: int | None
     md_predicted: int | None  # MD's cached prefix of the prompt, as the router sees it
     hashes: PromptHashes | None  # the prompt's block hashes (None: a text prompt)
+    direct_ttft_s: float | None = None  # P->MD's first token from compute + transfer alone
 
 
 def prompt_ids(body: dict[str, Any]) -> list[int] | None:
@@ -81,6 +82,7 @@ def plan(ctx: RouterContext, body: dict[str, Any], requested: str | None,
         prefill_s=ctx.prefill_speed.prefill_s(max(prompt - p_cached, 0)),
         relay_capacity=None if relay is None else ctx.relay_capacity(relay),
         wan_stale=main is not None and ctx.wan[main].wants_probe(now),
+        main_extra_s=0.0 if main is None else ctx.first_token_residual[main].value(now),
     )
     choice = choose_path(requested, cfg.path, blockers, signals, cfg.path_policy)
     if signals.wan_stale and choice.path == "pdd" and main is not None:
@@ -100,4 +102,5 @@ def plan(ctx: RouterContext, body: dict[str, Any], requested: str | None,
         main if choice.path in ("pdd", "main") else None,
         predicted,
         hashes,
+        direct_ttft_base(signals),
     )

@@ -265,6 +265,10 @@ class RequestBase(ABC):
         first, end = self.meta.timings.get("first_token"), self.meta.timings.get("end")
         if not self.succeeded or first is None:
             return
+        base, main = self.plan.direct_ttft_s, self.plan.main
+        if self.path == "main" and self.meta.resumed_at is None and base is not None:
+            if main is not None:
+                self.ctx.first_token_residual[main].observe(first - base, time.monotonic())
         path = self.meta.path
         self.ctx.metrics.observe("ttft_seconds", first, path=path)
         tokens = self.meta.relay_tokens + self.meta.main_tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -50,8 +51,11 @@ def status_body(ctx: RouterContext, uptime_s: float) -> dict[str, Any]:
                             "reported_load": load.reported[i], "capacity": load.capacity[i],
                             **health[tier][i]}
                            for i, t in enumerate(targets)]  # fmt: skip
+    now = time.monotonic()
     for i, est in enumerate(ctx.wan):
         instances["main"][i]["wan"] = est.to_dict()
+        extra = ctx.first_token_residual[i].value(now)
+        instances["main"][i]["first_token_extra_s"] = round(extra, 4)
     return {
         "uptime_s": round(uptime_s, 3),
         "default_path": config.path,
