@@ -6,11 +6,9 @@ import json
 
 import pytest
 
-from pdd.router.body import BadRequest, Limits, parse_generate
 from pdd.router.resume import resume_body
 from pdd.router.sse import DONE, SSEError, SSEParser, encode_event
 from pdd.router.stitch import Kind, Phase, Stitcher
-from pdd.srt.request_guard import token_ids_problem
 
 TEXT = {1: "a", 2: "b", 3: "c", 4: "d", 5: "e", 6: "f", 7: "g", 8: "h"}
 
@@ -160,66 +158,6 @@ def test_sse_parser_split_anywhere() -> None:
         SSEParser().feed(b"data: {nope\n\n")
     with pytest.raises(SSEError):
         SSEParser().feed(b"data: [1, 2]\n\n")
-
-
-def test_parse_generate() -> None:
-    ok = parse_generate({"text": "hi", "stream": True, "pdd_path": "relay", "sampling_params": {}})
-    assert ok.stream and ok.path == "relay" and ok.body == {"text": "hi", "sampling_params": {}}
-    assert parse_generate({"input_ids": [1, 2]}).path is None
-    bad = [
-        ([1], "JSON object"),
-        ({}, "exactly one of"),
-        ({"text": "a", "input_ids": [1]}, "exactly one of"),
-        ({"text": ["a", "b"]}, "batch"),
-        ({"input_ids": [[1], [2]]}, "batch"),
-        ({"input_ids": [1, -2]}, "non-negative"),
-        ({"input_ids": []}, "non-empty"),
-        ({"text": 5}, "string"),
-        ({"text": "a", "stream": "yes"}, "stream"),
-        ({"text": "a", "pdd_path": "fast"}, "pdd_path"),
-        ({"text": "a", "sampling_params": [1]}, "sampling_params"),
-        ({"text": "a", "sampling_params": {"n": 2}}, "n > 1"),
-        ({"text": "a", "rid": "mine"}, "router sets rid"),
-        ({"text": "a", "bootstrap_room": 5}, "bootstrap_room"),
-    ]
-    for body, reason in bad:
-        with pytest.raises(BadRequest, match=reason):
-            parse_generate(body)
-    json.dumps(ok.body)  # what goes upstream stays JSON
-
-
-def test_parse_generate_refuses_what_the_model_cannot_take() -> None:
-    limits = Limits(vocab_size=100, context_tokens=50)
-    ok = {"input_ids": [0, 99], "sampling_params": {"max_new_tokens": 48, "temperature": 0,
-                                                     "top_k": -1, "stop": ["a"]}}  # fmt: skip
-    assert parse_generate(ok, limits).body["input_ids"] == [0, 99]
-    assert parse_generate({"input_ids": [100]}).body["input_ids"] == [100]  # limits unknown
-    bad = [
-        ({"input_ids": [3, 100]}, "outside the vocabulary"),
-        ({"input_ids": [1] * 50}, "context window is 50"),
-        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 49}}, "exceed"),
-        ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
-        ({"input_ids": [1], "sampling_params": {"max_new_tokens": 1.5}}, "max_new_tokens"),
-        ({"text": "a", "sampling_params": {"temperature": -1}}, "temperature"),
-        ({"text": "a", "sampling_params": {"temperature": "hot"}}, "temperature"),
-        ({"text": "a", "sampling_params": {"top_p": 0}}, "top_p"),
-        ({"text": "a", "sampling_params": {"top_k": 0}}, "top_k"),
-        ({"text": "a", "sampling_params": {"stop": ["x"] * 65}}, "stop"),
-        ({"text": "a", "sampling_params": {"stop": [1]}}, "stop"),
-        ({"text": "a", "sampling_params": {"stop_token_ids": [100]}}, "stop_token_ids"),
-    ]
-    for body, reason in bad:
-        with pytest.raises(BadRequest, match=reason):
-            parse_generate(body, limits)
-
-
-def test_server_guard_names_the_bad_token() -> None:
-    assert token_ids_problem([0, 5, 9], 10) is None
-    assert token_ids_problem("text", 10) is None  # not ids: SGLang's own checks
-    assert "empty" in (token_ids_problem([], 10) or "")
-    assert "input_ids[1] is 10, outside the vocabulary [0, 10)" == token_ids_problem([1, 10], 10)
-    assert "input_ids[0] is -1" in (token_ids_problem([-1], 10) or "")
-    assert "not a token id" in (token_ids_problem([True], 10) or "")
 
 
 def test_resume_on_relay_after_main_failed() -> None:

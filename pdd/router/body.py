@@ -1,12 +1,23 @@
-"""Checks on a client's SGLang-native /generate body (pure)."""
+"""Checks on a client's SGLang-native /generate body (pure).
+
+An allow-list: every field the router forwards to SGLang is here with a check of its type and
+range (SGLang's own, and the model's limits where the router knows them), and anything else is
+refused with a 400 naming the field. A value SGLang accepts but cannot serve would otherwise
+reach a scheduler whose exception takes the whole server down (P first: it sees every request).
+The OpenAI routes build their native body and come through here too. sampling_params:
+pdd.router.sampling_checks.
+"""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any
 
 from pdd.policy.path import PATHS
+from pdd.router.limits import BadRequest, Limits, is_token, show
+from pdd.router.sampling_checks import Prompt, check_sampling
+
+__all__ = ["BadRequest", "GenerateRequest", "Limits", "is_token", "parse_generate"]
 
 # The router sets these per instance; a client value would break the fan-out.
 RESERVED = (
@@ -21,21 +32,27 @@ PATH_FIELD = "pdd_path"
 # A test control (the router honours it only with --test-controls): the P->RLD->MD handoff
 # happens when the client has exactly this many of RLD's tokens (see pdd.router.hold).
 HOLD_FIELD = "pdd_hold_relay"
-MAX_STOP = 64  # stop strings or stop token ids per request
-MAX_STOP_CHARS = 1000
-
-
-class BadRequest(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What the served model accepts, where the router knows it (from --tokenizer's model
-    directory): token ids below vocab_size, prompt plus output within context_tokens."""
-
-    vocab_size: int | None = None
-    context_tokens: int | None = None
+# Top logprobs per position: OpenAI's bound, well inside the 128 a PD prefill can hand its
+# decoder (a larger number raises in P's scheduler, which takes P down).
+MAX_TOP_LOGPROBS = 20
+MAX_TOKEN_IDS_LOGPROB = 64
+# SGLang fields the router does not forward, with why where it helps; any other field gets
+# "is not supported by the PDD router".
+UNSUPPORTED = {
+    "input_embeds": "is not supported by the PDD router: send text or input_ids",
+    **{f: "is not supported by the PDD router: it serves text-only requests"
+       for f in ("image_data", "video_data", "audio_data", "modalities", "mm_hashes",
+                 "mm_content_hashes", "video_config", "images_config", "mm_processor_kwargs")},
+    **{f: "is not supported by the PDD router: it does not serve LoRA adapters"
+       for f in ("lora_path", "lora_id")},
+    **{f: "is not supported by the PDD router: its tiers are chosen per request"
+       for f in ("session_params", "session_id", "routed_dp_rank", "data_parallel_rank")},
+    **{f: "is not supported by the PDD router: the PD servers set it between themselves"
+       for f in ("decode_tp_size", "disagg_prefill_dp_rank")},
+    "custom_logit_processor": "is not supported by the PDD router",
+    "return_hidden_states": "is not supported by the PDD router",
+}  # fmt: skip
+_BOOLS = ("stream", "return_logprob", "return_text_in_logprobs")
 
 
 @dataclass(frozen=True)
@@ -46,96 +63,89 @@ class GenerateRequest:
     hold_relay: int | None = None  # the request's own pdd_hold_relay
 
 
-def is_token(t: object) -> TypeGuard[int]:
-    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
-
-
-def _number(params: dict[str, Any], name: str, low: float, high: float) -> None:
-    value = params.get(name)
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise BadRequest(f"sampling_params.{name} must be a number")
-    if not low <= value <= high:
-        raise BadRequest(f"sampling_params.{name} is {value}, outside [{low:g}, {high:g}]")
-
-
-def _check_sampling(params: dict[str, Any], limits: Limits, prompt_tokens: int | None) -> None:
-    """SGLang's own ranges (SamplingParams.verify), checked before any server sees the request,
-    plus the context window where known."""
-    if (params.get("n") or 1) != 1:
-        raise BadRequest("sampling_params.n > 1 is not supported: send n requests")
-    for name, low, high in (("temperature", 0, 1e6), ("top_p", 1e-9, 1), ("min_p", 0, 1),
-                            ("frequency_penalty", -2, 2), ("presence_penalty", -2, 2),
-                            ("repetition_penalty", 0, 2)):  # fmt: skip
-        _number(params, name, low, high)
-    top_k = params.get("top_k")
-    if top_k is not None and (not is_token(top_k) and top_k != -1 or top_k == 0):
-        raise BadRequest("sampling_params.top_k must be -1 (off) or a positive integer")
-    new = params.get("max_new_tokens")
-    if new is not None and not is_token(new):
-        raise BadRequest("sampling_params.max_new_tokens must be a non-negative integer")
-    context = limits.context_tokens
-    if context is not None and prompt_tokens is not None and new is not None:
-        if prompt_tokens + new > context:
-            raise BadRequest(f"{prompt_tokens} prompt tokens + max_new_tokens {new} exceed the "
-                             f"model's context window of {context}")  # fmt: skip
-    stop = params.get("stop")
-    stops = [stop] if isinstance(stop, str) else stop
-    if stops is not None and (not isinstance(stops, list) or len(stops) > MAX_STOP or not all(
-        isinstance(x, str) and len(x) <= MAX_STOP_CHARS for x in stops
-    )):  # fmt: skip
-        raise BadRequest(f"sampling_params.stop must be a string or up to {MAX_STOP} strings "
-                         f"of at most {MAX_STOP_CHARS} characters")  # fmt: skip
-    stop_ids = params.get("stop_token_ids")
-    if stop_ids is not None and (not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP
-                                 or not all(_in_vocab(t, limits) for t in stop_ids)):  # fmt: skip
-        raise BadRequest(f"sampling_params.stop_token_ids must be up to {MAX_STOP} token ids")
-
-
-def _in_vocab(t: object, limits: Limits) -> bool:
-    return is_token(t) and (limits.vocab_size is None or t < limits.vocab_size)
-
-
-def parse_generate(body: object, limits: Limits = Limits()) -> GenerateRequest:
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    reserved = [k for k in RESERVED if k in body]
-    if reserved:
-        raise BadRequest(f"the router sets {', '.join(reserved)}; leave them out")
+def _prompt(body: dict[str, Any], limits: Limits) -> int | None:
+    """Checks text or input_ids; the prompt's length in tokens where known."""
     has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
     if has_text == has_ids:
-        raise BadRequest("give exactly one of text or input_ids")
-    if has_text and not isinstance(body["text"], str):
-        if isinstance(body["text"], list):
-            raise BadRequest("batch requests are not supported: send one prompt per request")
-        raise BadRequest("text must be a string")
-    if has_ids:
-        ids = body["input_ids"]
-        if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
-            raise BadRequest("batch requests are not supported: send one prompt per request")
-        if not isinstance(ids, list) or not ids or not all(is_token(t) for t in ids):
-            raise BadRequest("input_ids must be a non-empty list of non-negative integers")
+        raise BadRequest("text or input_ids", "is required: give exactly one of them")
+    if has_text:
+        text = body["text"]
+        if isinstance(text, list):
+            raise BadRequest("text", "is a list: batch requests are not supported, send one "
+                                     "prompt per request")  # fmt: skip
+        if not isinstance(text, str) or not text:
+            raise BadRequest("text", f"must be a non-empty string, got {show(text)}")
+        return None
+    ids = body["input_ids"]
+    if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+        raise BadRequest("input_ids", "is a list of lists: batch requests are not supported, "
+                                      "send one prompt per request")  # fmt: skip
+    if not isinstance(ids, list) or not ids or not all(is_token(t) for t in ids):
+        raise BadRequest("input_ids", "must be a non-empty list of non-negative integers")
+    vocab = limits.vocab_size
+    if vocab is not None and max(ids) >= vocab:
+        raise BadRequest("input_ids", f"has {show(max(ids))}, outside the vocabulary [0, {vocab})")
+    context = limits.context_tokens
+    if context is not None and len(ids) >= context:
+        raise BadRequest("input_ids", f"has {len(ids)} tokens; the model's context window is "
+                                      f"{context}")  # fmt: skip
+    return len(ids)
+
+
+def _logprobs(body: dict[str, Any], prompt_tokens: int | None, limits: Limits) -> None:
+    """return_logprob's companions: bounded so that P's scheduler can serve them."""
+    top = body.get("top_logprobs_num")
+    if top is not None:
+        most = min(MAX_TOP_LOGPROBS, limits.vocab_size or MAX_TOP_LOGPROBS)
+        if not is_token(top) or top > most:
+            raise BadRequest("top_logprobs_num", f"must be an integer in [0, {most}], got "
+                                                 f"{show(top)}")  # fmt: skip
+    start = body.get("logprob_start_len")
+    if start is not None:
+        # -1: output logprobs only; else the prompt position input logprobs start from.
+        last = prompt_tokens if prompt_tokens is not None else limits.context_tokens
+        ok = isinstance(start, int) and not isinstance(start, bool) and start >= -1
+        if not ok or (last is not None and start > last):
+            where = "the prompt's length" if last is None else str(last)
+            raise BadRequest("logprob_start_len", f"must be -1 or an integer in [0, {where}], "
+                                                  f"got {show(start)}")  # fmt: skip
+    ids = body.get("token_ids_logprob")
+    if ids is not None:
         vocab = limits.vocab_size
-        if vocab is not None and max(ids) >= vocab:
-            raise BadRequest(f"input_ids has {max(ids)}, outside the vocabulary [0, {vocab})")
-        context = limits.context_tokens
-        if context is not None and len(ids) >= context:
-            raise BadRequest(f"the prompt has {len(ids)} tokens; the model's context window is "
-                             f"{context}")  # fmt: skip
-    params = body.get("sampling_params")
-    if params is not None:
-        if not isinstance(params, dict):
-            raise BadRequest("sampling_params must be an object")
-        _check_sampling(params, limits, len(body["input_ids"]) if has_ids else None)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("stream must be true or false")
+        if (not isinstance(ids, list) or not all(is_token(t) for t in ids)
+                or len(ids) > MAX_TOKEN_IDS_LOGPROB):  # fmt: skip
+            raise BadRequest("token_ids_logprob", f"must be a list of at most "
+                                                  f"{MAX_TOKEN_IDS_LOGPROB} token ids")  # fmt: skip
+        if vocab is not None and ids and max(ids) >= vocab:
+            raise BadRequest("token_ids_logprob", f"has {show(max(ids))}, outside the vocabulary "
+                                                  f"[0, {vocab})")  # fmt: skip
+
+
+NO_LIMITS = Limits()
+ALLOWED = frozenset(("text", "input_ids", "sampling_params", *_BOOLS, "top_logprobs_num",
+                     "logprob_start_len", "token_ids_logprob", PATH_FIELD, HOLD_FIELD))  # fmt: skip
+
+
+def parse_generate(body: object, limits: Limits = NO_LIMITS) -> GenerateRequest:
+    if not isinstance(body, dict):
+        raise BadRequest("the body", "must be a JSON object")
+    for name in body:
+        if name in RESERVED:
+            raise BadRequest(name, "is set by the router: leave it out")
+        if name not in ALLOWED:
+            raise BadRequest(name, UNSUPPORTED.get(name, "is not supported by the PDD router"))
+    prompt_tokens = _prompt(body, limits)
+    for name in _BOOLS:
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise BadRequest(name, f"must be true or false, got {show(body[name])}")
+    _logprobs(body, prompt_tokens, limits)
+    if body.get("sampling_params") is not None:
+        check_sampling(body["sampling_params"], Prompt(prompt_tokens, limits))
     path = body.get(PATH_FIELD)
     if path is not None and path not in PATHS:
-        raise BadRequest(f"{PATH_FIELD} must be one of {', '.join(PATHS)}")
+        raise BadRequest(PATH_FIELD, f"must be one of {', '.join(PATHS)}, got {show(path)}")
     hold = body.get(HOLD_FIELD)
     if hold is not None and (not is_token(hold) or hold < 1):
-        raise BadRequest(f"{HOLD_FIELD} must be a positive integer")
+        raise BadRequest(HOLD_FIELD, f"must be a positive integer, got {show(hold)}")
     forward = {k: v for k, v in body.items() if k not in (PATH_FIELD, HOLD_FIELD, "stream")}
-    return GenerateRequest(forward, stream, path, hold)
+    return GenerateRequest(forward, body.get("stream") is True, path, hold)

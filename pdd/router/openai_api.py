@@ -33,18 +33,22 @@ REPLACEMENT = "\ufffd"
 class OpenAIError(Exception):
     """An answer in OpenAI's error shape, with the HTTP status it goes out with."""
 
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, code: str | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.code = status, message, code
+        self.status, self.message, self.code, self.param = status, message, code, param
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message, self.code)
+        return error_body(self.status, self.message, self.code, self.param)
 
 
-def error_body(status: int, message: str, code: str | int | None = None) -> dict[str, Any]:
+def error_body(
+    status: int, message: str, code: str | int | None = None, param: str | None = None
+) -> dict[str, Any]:
     kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
     code = status if code is None else code
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class Tokenizer(ChatTokenizer, Protocol):
@@ -104,6 +108,24 @@ _SAMPLING: dict[str, tuple[str, Callable[[Any], bool], str]] = {
     "stop_token_ids": ("stop_token_ids", _token_list, "a list of token ids"),
     "skip_special_tokens": ("skip_special_tokens", lambda v: isinstance(v, bool), "true or false"),
 }
+
+
+_OPENAI_NAMES = {f"sampling_params.{native}": name for name, (native, _, _) in _SAMPLING.items()}
+
+
+def _openai_field(native: str, body: dict[str, Any], prompt: str) -> str:
+    """The OpenAI request's name for a field of the native body it became."""
+    if native == "sampling_params.max_new_tokens":
+        given = body.get("max_completion_tokens") is not None
+        return "max_completion_tokens" if given else "max_tokens"
+    if native == "input_ids":
+        return prompt
+    if native == "sampling_params.stop":
+        return "stop"
+    for key, name in _OPENAI_NAMES.items():  # logit_bias['5'] -> logit_bias['5']
+        if native == key or native.startswith(f"{key}["):
+            return name + native[len(key) :]
+    return native
 
 
 def _sampling_params(body: dict[str, Any]) -> dict[str, Any]:
@@ -286,7 +308,9 @@ class ServedModel:
         try:
             parsed = parse_generate(native, self.limits)
         except BadRequest as err:
-            raise _bad(str(err)) from err
+            # The same checks as /generate; the message names the field as the client sent it.
+            param = _openai_field(err.field, body, "messages" if kind == CHAT else "prompt")
+            raise OpenAIError(400, f"{param} {err.problem}", param=param) from err
         return OpenAIRequest(parsed, kind, self.name, len(ids), include_usage)
 
 
