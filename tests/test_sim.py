@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 
-from pdd.eval.report import percentile
-from pdd.eval.sim.calibrate import calibrate
+from pdd.eval.report import Record, percentile
+from pdd.eval.sim import calibrate as calib  # its testbed_* are not tests
+from pdd.eval.sim.calibrate import KINDS, Fit, as_record, calibrate
 from pdd.eval.sim.cli import main as cli_main
 from pdd.eval.sim.cli import parse_tier
 from pdd.eval.sim.clock import Clock
 from pdd.eval.sim.config import ClusterConfig, Sla, Tier, deployment
 from pdd.eval.sim.costs import StepCosts, prediction_error
 from pdd.eval.sim.economics import bcr, change, kv_gbit_s
+from pdd.eval.sim.fit import PrefillFit, StepFit, WanFit, fit_step
 from pdd.eval.sim.handoff_bench import handoff_microbench
 from pdd.eval.sim.hardware import CHIP_A, CHIP_B, MOE_1T, WAN, Chip, Link, Model
 from pdd.eval.sim.planner import PlanSpace, analytic_capacity, plan, sla_capacity, window
@@ -187,12 +189,16 @@ def test_per_flow_cap() -> None:
 def test_paths_follow_auto_path() -> None:
     reqs = [
         SimRequest(0.0, 1000, 990, 50),  # high hit: 10 tokens cross in 10 ms
-        SimRequest(100.0, 1000, 0, 1),  # long input, one output token: singular
-        SimRequest(200.0, 1000, 0, 2000),  # low hit, long answer: RLD hides the transfer
+        SimRequest(30.0, 1000, 0, 1),  # long input, one output token: singular
+        SimRequest(50.0, 1000, 0, 2000),  # low hit, long answer: RLD hides the transfer
     ]
     policy = TOY_POLICY
     results = simulate(reqs, toy("pdd")).results
     assert [r.path for r in results] == ["main", "relay", "pdd"]
+    # As the router does, a WAN estimate no transfer taught for over a minute makes the
+    # singular request feed MD too, to measure the link again.
+    late = simulate([reqs[0], replace(reqs[1], arrival_s=100.0)], toy("pdd")).results[1]
+    assert late.path == "pdd" and "stale" in late.reason and late.wan_bytes == 1e9
     # The same decisions from auto_path itself, with the signals worked out by hand: transfer
     # = suffix x 1e6 B / 1e9 B/s; P's compute 1 ms per uncached token; RLD's time = its
     # batch-1 step (1e9 B / 1e12 = 1 ms + 1 token's KV) x the output; RLD idle.
@@ -491,9 +497,15 @@ def _four_passes() -> dict[str, object]:
 
 def test_calibration_recovers_the_fit_and_predicts_ttft() -> None:
     cal = calibrate(_live_doc())
-    assert cal.fit.prefill_s_per_token == pytest.approx(0.001, rel=0.01)
-    assert cal.fit.overhead_s == pytest.approx(0.1, rel=0.01)
-    assert cal.fit.decode_step_s == pytest.approx(0.02, rel=0.01)
+    assert cal.fit.prefill.s_per_uncached == pytest.approx(0.001, rel=0.01)
+    assert cal.fit.prefill.overhead_s == pytest.approx(0.1, rel=0.01)
+    assert cal.fit.prefill.s_per_prompt == pytest.approx(0.0, abs=1e-6)
+    # One request at a time, TPOT 20 ms whatever its context: a flat step.
+    assert cal.fit.step.step_s(1, 200) == pytest.approx(0.02, rel=0.01)
+    assert cal.fit.step.step_s(1, 600) == pytest.approx(0.02, rel=0.01)
+    # Naive's extra first-token time is the prompt's KV at 1e6 B/s (the line) and one RTT.
+    assert cal.fit.wan is not None and cal.fit.wan.bootstrap_s == pytest.approx(0.0, abs=1e-6)
+    assert cal.fit.wan.bytes_per_s == pytest.approx(1e6, rel=0.01)
     rows = {(r.deployment, r.metric): r for r in cal.rows}
     same = rows[("same-DC PD", "ttft_p50")]
     assert same.predicted == pytest.approx(same.measured, rel=0.1)
@@ -513,3 +525,93 @@ def test_calibration_cli_writes_calib_md(tmp_path: Path) -> None:
     assert "| PDD | rld_share |" in md and "| cross-DC PD + decode cache | e2e_p99 |" in md
     assert json.loads((tmp_path / "out" / "calib.json").read_text())["rows"]
     assert cli_main(["sim", "--calibrate", str(tmp_path / "missing.json")]) == 1
+
+
+def _group(t0: float, k: int, prompt: int, out: int, tpot: float) -> list[dict[str, object]]:
+    """`k` same-DC requests that decode side by side from t0 + 0.1 s, `out` tokens each."""
+    e2e = 0.1 + tpot * (out - 1)
+    return [{"prompt_tokens": prompt, "cached_tokens": prompt - 10, "start_s": t0,
+             "output_tokens": out, "ttft_s": 0.1, "e2e_s": e2e, "path": "P->RLD",
+             "error": None} for _ in range(k)]  # fmt: skip
+
+
+def test_fitted_step_grows_with_batch_and_context() -> None:
+    # A decode step of 4 ms + 5 ms per request + 10 us per token of context (its batch's new
+    # tokens included): groups of 1, 2 and 4 requests decoding together, apart from each other,
+    # at two prompt lengths. A group's context halfway is its prompts plus half the answers.
+    def tpot(k: int, prompt: int, out: int) -> float:
+        return 0.004 + 0.005 * k + 1e-5 * (k * (prompt + (out - 1) / 2) + k)
+
+    records: list[dict[str, object]] = []
+    t = 0.0
+    for k in (1, 2, 4):
+        for prompt in (100, 800):
+            records += _group(t, k, prompt, 101, tpot(k, prompt, 101))
+            t += 60.0
+    step = fit_step([Record(**r) for r in records])  # type: ignore[arg-type]
+    assert step.overhead_s == pytest.approx(0.004, rel=0.01)
+    assert step.per_request_s == pytest.approx(0.005, rel=0.01)
+    assert step.per_token_s == pytest.approx(1e-5, rel=0.01)
+    assert step.step_s(4, 4 * 300) > 2 * step.step_s(1, 300)  # more running: a slower step
+    # Through calibration: the simulated decoder's step is the fitted one.
+    doc = {"link": {"rate_mbit": 8.0, "delay_ms": 20.0},
+           "model": {"name": "toy", "kv_bytes_per_token": 1000},
+           "runs": {"same-DC PD": records}}  # fmt: skip
+    cal = calibrate(doc)
+    costs = cal.fit.decode_costs(calib.testbed_model(doc))
+    assert costs.decode_step_s(4, 1200) == pytest.approx(step.step_s(4, 1200), rel=1e-6)
+    assert costs.decode_step_s(4, 1200) > costs.decode_step_s(1, 300)
+    # A fit that ignored the batch would miss every group's TPOT by far more than this.
+    tpots = {r.metric: r for r in cal.rows}
+    assert abs(tpots["tpot_p50"].error) < 0.1 and abs(tpots["tpot_p99"].error) < 0.1
+
+
+def _synthetic_live(seed: int) -> dict[str, object]:
+    """A live.json made by the simulator itself from known costs: P 20 ms + 0.5 ms per uncached
+    token + 0.2 ms per prompt token; a step of 3 ms + 4 ms per request + 20 us per context
+    token; MD's bootstrap 150 ms; a request's KV at 4 MB/s over a 100 Mbit/s line."""
+    model = Model("toy", 1.0, 1.0, 10_000.0)
+    truth = Fit(
+        PrefillFit(0.02, 5e-4, 2e-4, 0.0, 1.0, 0),
+        StepFit(0.003, 0.004, 2e-5, 1.0, 0),
+        WanFit(0.15, 4e6, 0, 1.0),
+    )
+    live: dict[str, object] = {"link": {"rate_mbit": 100.0, "delay_ms": 20.0},
+                               "model": {"name": "toy", "kv_bytes_per_token": 10_000}}  # fmt: skip
+    link = calib.testbed_link(live, truth)
+    rng = random.Random(seed)
+    reqs = []
+    t = 0.0
+    for _ in range(100):
+        t += rng.expovariate(0.3)
+        prompt = rng.choice((rng.randint(50, 150), rng.randint(800, 1200)))  # batch != context
+        cached = prompt - (rng.randint(1, 20) if rng.random() < 0.8 else rng.randint(50, 400))
+        reqs.append(SimRequest(t, prompt, max(cached, 0), rng.randint(20, 300)))
+    runs = {}
+    for name in ("same-DC PD", "cross-DC PD + decode cache"):
+        res = simulate(reqs, calib.testbed_config(name, truth, model, link, live))
+        runs[name] = [asdict(as_record(r, KINDS[name][0])) for r in res.results]
+    live["runs"] = runs
+    return live
+
+
+def test_calibration_recovers_known_constants_from_synthetic_runs() -> None:
+    # Noise-free, but a request's TPOT only averages the steps it shared, and a busy decoder
+    # makes a first token wait for the running step (the fit puts that in the per-request
+    # first-token term): the constants come back within the tolerances below.
+    def true_step(n: int, context: int) -> float:
+        return 0.003 + 0.004 * n + 2e-5 * (context + n)
+
+    for seed in (1, 2):
+        cal = calibrate(_synthetic_live(seed))
+        step, pre, wan = cal.fit.step, cal.fit.prefill, cal.fit.wan
+        for n, context in ((1, 200), (4, 2000), (8, 5000)):
+            assert step.step_s(n, context) == pytest.approx(true_step(n, context), rel=0.05)
+        assert step.per_token_s == pytest.approx(2e-5, rel=0.1)
+        assert step.per_request_s == pytest.approx(0.004, rel=0.25)
+        assert pre.s_per_prompt == pytest.approx(2e-4, rel=0.2)
+        assert pre.s_per_uncached == pytest.approx(5e-4, rel=0.3)
+        assert wan is not None
+        assert wan.bootstrap_s == pytest.approx(0.15, rel=0.2)
+        assert wan.bytes_per_s == pytest.approx(4e6, rel=0.1)
+        assert cal.median_abs_error < 0.05

@@ -1,18 +1,15 @@
-"""The simulator checked against a live run: fit its step costs to `pdd.eval live`'s same-DC
-pass, replay every deployment's requests through the simulated testbed, and compare.
+"""The simulator checked against a live run: fit its step costs to `pdd.eval live`'s records
+(`fit`), replay every deployment's requests through the simulated testbed, and compare.
 
-Why fit rather than use chip specs: the testbed runs P, RLD and MD on one 2-core CPU, far from
-any roofline, so its costs can only come from measurement. The fit, from the same-DC records:
-- prefill: TTFT = overhead + seconds/token x uncached tokens (prompt - cached), least squares.
-  The overhead is everything a same-DC request pays besides prefill compute (HTTP, scheduling,
-  the local KV transfer, the first token); the simulated P pays it once per prefill forward,
-  and the simulated local transfer costs nothing (it is inside the fit);
-- decode: one step = the median same-DC TPOT, whatever the batch and context.
-The simulated testbed is 1 P, 1 RLD and 1 MD (same-DC: 1 P + 1 D) with those costs, the live
-link (line rate, RTT = 2 x one-way delay, no jitter, one flow can fill the line) and the model's
-KV bytes per token. The simulator is open loop: each deployment's requests arrive when the live
-run sent them (a closed-loop live run paces these by its own latencies). Measured and predicted
-metrics come from the same code (`pdd.eval.report.Run.summary`) on per-request records.
+The simulated testbed is 1 P, 1 RLD and 1 MD (same-DC: 1 P + 1 D) with the fitted costs, each
+decoder's slots as its server reported them (RLD's capacity is also what the router's path
+policy reads, as live), the live link (line rate, RTT = 2 x one-way delay, no jitter; one
+request's KV at the fitted rate) and the model's KV bytes per token. The simulated router
+routes by the live router's first-token target and starts knowing nothing, as live. The
+simulator is open loop: each deployment's requests arrive when the live run sent them (a
+closed-loop live run paces these by its own latencies), with the prompt, P-side hit, output
+length and, where KV crossed, MD's hit that the live run had. Measured and predicted metrics
+come from the same code (`pdd.eval.report.Run.summary`) on per-request records.
 """
 
 from __future__ import annotations
@@ -29,90 +26,91 @@ from pdd.eval.report import Record, Run
 from pdd.eval.report import Sla as LiveSla
 from pdd.eval.sim.config import ClusterConfig, Tier
 from pdd.eval.sim.costs import StepCosts, prediction_error
+from pdd.eval.sim.fit import PrefillFit, StepFit, WanFit, fit_prefill, fit_step, fit_wan
 from pdd.eval.sim.hardware import CHIP_A, Link, Model
 from pdd.eval.sim.requests import SimRequest
 from pdd.eval.sim.results import RequestResult
 from pdd.eval.sim.simulation import simulate
+from pdd.policy.handoff import HandoffPolicy
 from pdd.policy.path import PathPolicy
 
 SAME_DC = "same-DC PD"
-KINDS = {  # live deployment -> simulated kind
-    SAME_DC: "same-dc",
-    "naive cross-DC PD": "naive",
-    "cross-DC PD + decode cache": "cache",
-    "PDD": "pdd",
+KINDS = {  # live deployment -> simulated kind, handoff mode (the live run's), capacity group
+    SAME_DC: ("same-dc", "extend", "same-dc"),
+    "naive cross-DC PD": ("naive", "extend", "naive"),
+    "cross-DC PD + decode cache": ("cache", "extend", "pdd"),
+    "PDD": ("pdd", "extend", "pdd"),
+    "PDD catch-up": ("pdd", "catchup", "pdd-catchup"),
 }
 PATHS = {"main": "P->MD", "relay": "P->RLD", "pdd": "P->RLD->MD"}  # simulated -> live names
 LATENCY = [f"{m}_p{q}" for m in ("ttft", "tpot", "e2e") for q in (50, 90, 99)]
 NEVER_BINDS = 1e30  # compute, bandwidth or RDMA rate that never limits a step
 
 
+def _rate(kv_bytes_per_token: float, s_per_token: float) -> float:
+    return kv_bytes_per_token / s_per_token if s_per_token > 0 else NEVER_BINDS
+
+
 @dataclass(frozen=True)
 class Fit:
-    """Step costs fitted to the same-DC pass."""
+    """The testbed's costs (`pdd.eval.sim.fit`)."""
 
-    overhead_s: float  # TTFT intercept
-    prefill_s_per_token: float  # TTFT slope per uncached token
-    r2: float
-    requests: int  # same-DC records the prefill line was fitted to
-    decode_step_s: float  # median same-DC TPOT
-    decode_requests: int  # records with >= 2 output tokens
+    prefill: PrefillFit
+    step: StepFit
+    wan: WanFit | None  # None: no P->MD request to fit it to
 
     def prefill_costs(self, model: Model) -> StepCosts:
-        """A P whose forward over n new tokens takes overhead + n x seconds/token."""
+        """A P whose forward over n new tokens after c cached ones takes overhead + n x s/token
+        (compute) + (n + c) x s/token (KV read), one after the other."""
         return StepCosts(
             model,
-            flops_s=model.flops(1, 0) / self.prefill_s_per_token,
-            bytes_s=NEVER_BINDS,
-            overhead_s=self.overhead_s,
+            flops_s=model.flops(1, 0) / self.prefill.s_per_uncached,
+            bytes_s=_rate(model.kv_bytes_per_token, self.prefill.s_per_prompt),
+            overhead_s=self.prefill.overhead_s,
             send_bytes_s=NEVER_BINDS,
+            overlap=False,
         )
 
     def decode_costs(self, model: Model) -> StepCosts:
-        """A decode instance whose every step takes decode_step_s."""
+        """A decoder whose step takes overhead + s/request x batch + s/token x context."""
         return StepCosts(
             model,
             flops_s=NEVER_BINDS,
-            bytes_s=NEVER_BINDS,
-            overhead_s=self.decode_step_s,
+            bytes_s=_rate(model.kv_bytes_per_token, self.step.per_token_s),
+            overhead_s=self.step.overhead_s,
             send_bytes_s=NEVER_BINDS,
+            per_request_s=self.step.per_request_s,
         )
 
     def describe(self) -> str:
-        return (
-            f"TTFT = {self.overhead_s * 1e3:.1f} ms + {self.prefill_s_per_token * 1e3:.3f} ms x "
-            f"uncached tokens (least squares over {self.requests} same-DC requests, "
-            f"R^2 = {self.r2:.3f}); decode step = median same-DC TPOT = "
-            f"{self.decode_step_s * 1e3:.1f} ms ({self.decode_requests} requests)"
+        p, d, w = self.prefill, self.step, self.wan
+        text = (
+            f"same-DC TTFT = {p.overhead_s * 1e3:.1f} ms + {p.s_per_uncached * 1e3:.3f} ms x "
+            f"uncached tokens + {p.s_per_prompt * 1e3:.3f} ms x prompt tokens + "
+            f"{p.shared_host_s * 1e3:.1f} ms x requests decoding meanwhile ({p.requests} "
+            f"requests, R^2 = {p.r2:.3f}); decode step = {d.overhead_s * 1e3:.2f} ms + "
+            f"{d.per_request_s * 1e3:.2f} ms x batch + {d.per_token_s * 1e6:.2f} us x context "
+            f"tokens (same-DC TPOTs of {d.requests} requests, R^2 = {d.r2:.3f})"
         )
+        if w is not None:
+            text += (
+                f"; P->MD: MD's bootstrap {w.bootstrap_s * 1e3:.0f} ms, a request's KV at "
+                f"{w.bytes_per_s * 8 / 1e6:.1f} Mbit/s ({w.requests} P->MD first tokens, "
+                f"R^2 = {w.r2:.3f})"
+            )
+        return text
 
 
-def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
-    """Least squares y = a + b x: (a, b, R^2)."""
-    if len(xs) != len(ys) or len(xs) < 2:
-        raise ValueError("need at least two points to fit a line")
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx == 0:
-        raise ValueError("every request has the same uncached length: the slope is unknown")
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
-    a = my - b * mx
-    syy = sum((y - my) ** 2 for y in ys)
-    resid = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys, strict=True))
-    return a, b, 1.0 - resid / syy if syy > 0 else 1.0
-
-
-def fit(records: Sequence[Record]) -> Fit:
-    """Prefill and decode costs from same-DC records (see the module docstring)."""
-    ok = [r for r in records if r.ok and r.ttft_s is not None]
-    xs = [float(r.prompt_tokens - r.cached_tokens) for r in ok]
-    a, b, r2 = fit_line(xs, [r.ttft_s for r in ok if r.ttft_s is not None])
-    if b <= 0:
-        raise ValueError(f"TTFT does not grow with uncached tokens (slope {b:.3g} s/token)")
-    tpots = [t for r in ok if (t := r.tpot_s) is not None]
-    if not tpots:
-        raise ValueError("no same-DC request with two or more output tokens: no decode step")
-    return Fit(max(a, 0.0), b, r2, len(ok), statistics.median(tpots), len(tpots))
+def fit(live: Mapping[str, Any]) -> Fit:
+    """Every cost from the live run's records (see pdd.eval.sim.fit)."""
+    same = records(live, SAME_DC)
+    prefill, step = fit_prefill(same), fit_step(same)
+    link = live["link"]
+    cross = [records(live, name) for name in live["runs"] if name != SAME_DC]
+    kvb = float(live["model"]["kv_bytes_per_token"])
+    line = float(link["rate_mbit"]) * 1e6 / 8
+    wan = fit_wan(cross, prefill, float(link["delay_ms"]) / 1000, line, kvb)
+    return Fit(prefill, step, wan)
 
 
 def testbed_model(live: Mapping[str, Any]) -> Model:
@@ -122,22 +120,39 @@ def testbed_model(live: Mapping[str, Any]) -> Model:
     return Model(str(m.get("name", "live")), 1.0, 1.0, float(m["kv_bytes_per_token"]))
 
 
-def testbed_link(live: Mapping[str, Any]) -> Link:
+def testbed_link(live: Mapping[str, Any], f: Fit | None = None) -> Link:
+    """The live link; one request's KV no faster than the fitted rate."""
     link = live["link"]
-    return Link(gbit_s=float(link["rate_mbit"]) / 1000, rtt_ms=2 * float(link["delay_ms"]))
+    rtt_ms = 2 * float(link["delay_ms"])
+    gbit_s = float(link["rate_mbit"]) / 1000
+    window = None
+    if f is not None and f.wan is not None and f.wan.bytes_per_s < gbit_s * 1e9 / 8:
+        window = f.wan.bytes_per_s * rtt_ms / 1000 / 2**20  # a flow's rate = window / RTT
+    return Link(gbit_s=gbit_s, rtt_ms=rtt_ms, tcp_window_mb=window)
 
 
-def testbed_config(kind: str, f: Fit, model: Model, link: Link,
+def testbed_config(name: str, f: Fit, model: Model, link: Link,
                    live: Mapping[str, Any] | None = None) -> ClusterConfig:  # fmt: skip
-    """The testbed: 1 P and 1 MD (same-DC: D), plus 1 RLD for PDD, costing what `f` says, with
-    the live run's decode slots (each server's max running requests) and TTFT SLA."""
-    cap = (live or {}).get("capacity", {})
+    """The testbed for live deployment `name`: 1 P and 1 MD (same-DC: D), plus 1 RLD for PDD,
+    costing what `f` says, with the live run's decode slots (each server's max running
+    requests), handoff mode and the first-token target its router routed by."""
+    live = live or {}
+    kind, mode, group = KINDS[name]
+    cap = live.get("capacity_by_group", {}).get(group) or live.get("capacity", {})
     p = Tier(CHIP_A, 1, 1, costs=f.prefill_costs(model))
     d = Tier(CHIP_A, 1, 1, int(cap.get("main", 128)), costs=f.decode_costs(model))
     relay = Tier(CHIP_A, 1, 1, int(cap.get("relay", 128)), costs=f.decode_costs(model))
-    policy = PathPolicy(ttft_sla_s=live_sla(live or {}).ttft_s)
-    return ClusterConfig(kind, p, d, relay if kind == "pdd" else None, model, link,
-                         path_policy=policy, rdma_latency_s=0.0)  # fmt: skip
+    args = live.get("args", {})
+    route = float(args.get("route_ttft", live_sla(live).ttft_s))
+    # The live router's first-token residual shows in its estimates; runs without it had none.
+    estimates = live.get("router_estimates", {}).get(name, {})
+    return ClusterConfig(
+        kind, p, d, relay if kind == "pdd" else None, model, link,
+        path_policy=PathPolicy(ttft_sla_s=route), handoff=HandoffPolicy(mode=mode),
+        rdma_latency_s=0.0, md_bootstrap_s=f.wan.bootstrap_s if f.wan is not None else 0.0,
+        shared_host_s=f.prefill.shared_host_s,
+        first_token_extra="first_token_extra_s" in estimates, warm_estimates=False,
+    )  # fmt: skip
 
 
 def live_sla(live: Mapping[str, Any]) -> LiveSla:
@@ -150,13 +165,17 @@ def records(live: Mapping[str, Any], name: str) -> list[Record]:
     return [Record(**{k: v for k, v in r.items() if k in known}) for r in live["runs"][name]]
 
 
-def sim_requests(recs: Sequence[Record]) -> list[SimRequest]:
-    """The requests a live pass completed, arriving when it sent them."""
+def sim_requests(recs: Sequence[Record], kv_bytes_per_token: float) -> list[SimRequest]:
+    """The requests a live pass completed, arriving when it sent them; where KV crossed the
+    WAN, MD's hit is what MD did not need sent."""
     out = []
     for r in recs:
         if r.ok and r.start_s is not None and r.output_tokens >= 1:
             cached = min(r.cached_tokens, r.prompt_tokens)
-            out.append(SimRequest(r.start_s, r.prompt_tokens, cached, r.output_tokens))
+            md = None
+            if r.wan_kv_bytes > 0:
+                md = max(0, r.prompt_tokens - round(r.wan_kv_bytes / kv_bytes_per_token))
+            out.append(SimRequest(r.start_s, r.prompt_tokens, cached, r.output_tokens, md))
     return out
 
 
@@ -197,6 +216,16 @@ class Calibration:
     paths: dict[str, dict[str, dict[str, int]]]  # deployment -> measured/predicted -> counts
     notes: list[str] = field(default_factory=list)
 
+    def path_mix_points(self, name: str) -> float:
+        """The largest difference, in percentage points, between a path's measured and
+        predicted shares of deployment `name`'s requests."""
+        p = self.paths[name]
+        shares = [{k: v / max(sum(c.values()), 1) for k, v in c.items()}
+                  for c in (p["measured"], p["predicted"])]  # fmt: skip
+        keys = set(shares[0]) | set(shares[1])
+        return max((abs(shares[0].get(k, 0) - shares[1].get(k, 0)) * 100 for k in keys),
+                   default=0.0)  # fmt: skip
+
     @property
     def median_abs_error(self) -> float:
         errs = [abs(r.error) for r in self.rows if math.isfinite(r.error)]
@@ -217,6 +246,7 @@ class Calibration:
     def markdown(self) -> str:
         paths = [
             f"- {name}: measured {_counts(p['measured'])}; predicted {_counts(p['predicted'])}"
+            + (f" (within {self.path_mix_points(name):.0f} points)" if name != SAME_DC else "")
             for name, p in self.paths.items()
         ]
         return "\n".join([
@@ -236,6 +266,7 @@ class Calibration:
             "rows": [asdict(r) for r in self.rows],
             "median_abs_error": self.median_abs_error,
             "paths": self.paths,
+            "path_mix_points": {n: self.path_mix_points(n) for n in self.paths if n != SAME_DC},
         }
 
 
@@ -252,12 +283,12 @@ def _paths(recs: Sequence[Record]) -> dict[str, int]:
 
 
 def calibrate(live: Mapping[str, Any]) -> Calibration:
-    """Fit on the same-DC pass of a live.json document, simulate every pass, compare."""
+    """Fit to a live.json document, simulate every pass, compare."""
     runs = live.get("runs", {})
     if SAME_DC not in runs:
         raise ValueError(f"the live run has no {SAME_DC!r} pass to fit the step costs to")
-    f = fit(records(live, SAME_DC))
-    model, link, sla = testbed_model(live), testbed_link(live), live_sla(live)
+    f = fit(live)
+    model, link, sla = testbed_model(live), testbed_link(live, f), live_sla(live)
     args = live.get("args", {})
     pace = (
         f"open loop at {args['rate']} req/s"
@@ -265,30 +296,36 @@ def calibrate(live: Mapping[str, Any]) -> Calibration:
         else f"closed loop at concurrency {args.get('concurrency', '?')}"
     )
     notes = [
-        f"testbed: 1 P, 1 RLD, 1 MD; WAN {link.gbit_s * 1000:g} Mbit/s, RTT {link.rtt_ms:g} ms; "
-        f"{model.name}: {model.kv_bytes_per_token:.0f} KV bytes/token",
+        f"testbed: 1 P, 1 RLD, 1 MD; WAN {link.gbit_s * 1000:g} Mbit/s, RTT {link.rtt_ms:g} ms, "
+        f"a request's KV at {link.flow_bytes_per_s * 8 / 1e6:.1f} Mbit/s; {model.name}: "
+        f"{model.kv_bytes_per_token:.0f} KV bytes/token",
         f"the live run was {pace}; the simulator replays each pass's send times as arrivals "
         "(open loop)",
         "P's fitted overhead is paid once per prefill forward (batched requests share it); the "
-        "local KV transfer is inside the fit; the decode step does not grow with batch or context",
-        "MD's prefix hit = the trace's cached tokens (decode cache) or 0 (naive); PDD uses the "
-        "default path and handoff policies",
+        "decode step grows with the batch and its context; a P->MD request waits for MD's "
+        "bootstrap before P takes it (on P->RLD->MD, MD's KV waits for it); a first token comes "
+        "later by the fitted cost per request decoding at the time (one CPU for every server)",
+        "MD's prefix hit = what MD was not sent live where KV crossed, else the trace's cached "
+        "tokens (decode cache) or 0 (naive); PDD routes by the live router's first-token "
+        f"target ({args.get('route_ttft', args.get('ttft_sla', '3.0'))} s) with the live "
+        "handoff mode; the router adds P->MD's first-token residual only where the live run's "
+        "estimates show one (first_token_extra_s)",
         "WAN MB/request: measured by the link's A -> B byte counter (KV plus control messages), "
         "predicted as the KV the simulator sends",
     ]
     rows: list[Row] = []
     paths: dict[str, dict[str, dict[str, int]]] = {}
-    for name, kind in KINDS.items():
+    for name, (kind, _, _) in KINDS.items():
         if name not in runs:
             continue
         recs = records(live, name)
-        reqs = sim_requests(recs)
+        reqs = sim_requests(recs, model.kv_bytes_per_token)
         if not reqs:
             notes.append(f"{name}: no completed request to replay")
             continue
         if len(reqs) < len(recs):
             notes.append(f"{name}: {len(recs) - len(reqs)} failed requests not replayed")
-        res = simulate(reqs, testbed_config(kind, f, model, link, live))
+        res = simulate(reqs, testbed_config(name, f, model, link, live))
         sim_recs = [as_record(r, kind) for r in res.results]
         wan = int(sum(r.wan_bytes for r in res.results))
         predicted = Run(name, sim_recs, res.summary.duration_s, wan).summary(sla)

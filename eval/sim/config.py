@@ -68,6 +68,17 @@ class ClusterConfig:
     mfu: float = 0.4
     bw_util: float = 0.7
     overhead_s: float = 0.01  # per forward: launches, TP/EP communication (a stand-in)
+    per_request_s: float = 0.0  # per request of a forward (costs.StepCosts: 0 on GPUs)
+    # From a request's arrival until MD can take its KV: MD's bootstrap with P (round trips over
+    # the WAN, MD's KV allocation). P starts a P->MD prefill only then (SGLang's P waits for
+    # its decode side); on P->RLD->MD it runs beside RLD's part. 0: not modelled.
+    md_bootstrap_s: float = 0.0
+    # The router adds what recent P->MD first tokens took beyond its prediction (Signals.
+    # main_extra_s, pdd.router.estimates.FirstTokenResidual); off: a router without it.
+    first_token_extra: bool = True
+    # The testbed runs every server on one CPU: a first token reaches the client this much
+    # later per request decoding anywhere. 0: separate machines.
+    shared_host_s: float = 0.0
     warm_estimates: bool = True  # the router starts knowing KV/token and the flow rate
     seed: int = 0
 
@@ -78,6 +89,8 @@ class ClusterConfig:
             raise ValueError("need at least one P and one MD (D) instance")
         if self.kind == "pdd" and (self.relay is None or self.relay.instances < 1):
             raise ValueError("pdd needs at least one RLD instance")
+        if min(self.md_bootstrap_s, self.per_request_s, self.shared_host_s) < 0:
+            raise ValueError("need md_bootstrap_s, per_request_s and shared_host_s >= 0")
 
     @property
     def tiers(self) -> dict[str, Tier]:
@@ -114,6 +127,7 @@ class ClusterConfig:
         return StepCosts.of(
             tier.chip, tier.chips, self.model,
             mfu=self.mfu, bw_util=self.bw_util, overhead_s=self.overhead_s,
+            per_request_s=self.per_request_s,
         )  # fmt: skip
 
 

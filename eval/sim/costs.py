@@ -7,8 +7,15 @@ larger of compute time and memory time:
 
     flops = 2 x active_params x tokens + attn_flops_per_pair x pairs
     bytes = weights read (MoE: at most tokens x active weights) + (context + tokens) x KV/token
-    t     = overhead + max(flops / (peak x MFU), bytes / (bandwidth x utilisation))
+    t     = overhead + per_request x requests
+            + max(flops / (peak x MFU), bytes / (bandwidth x utilisation))
 
+`per_request` is what each request of a forward costs besides its FLOPs and bytes (scheduling,
+sampling, streaming: on GPUs hidden by overlap scheduling, so 0 in the production presets; on a
+CPU a decode step's per-request work). A decode step thus grows with its batch (MoE: the experts
+it touches; compute at large batches; per_request) and with its context (KV read). A GPU
+overlaps compute and memory traffic (the step takes the larger); a CPU does one, then the other
+(`overlap=False`: their sum).
 Prefill is compute-bound, decode memory-bound, and an extend of k tokens costs one pass over the
 weights and its requests' KV plus k tokens of compute: the reason Extend-Decode handoff is cheap.
 MD runs its extends as forwards of their own between decode steps (pdd.srt.main_decode), so a
@@ -38,12 +45,14 @@ class StepCosts:
     overhead_s: float = 0.0  # fixed cost of every forward (launch, scheduling)
     kv_capacity_tokens: int = 1 << 40  # KV the instance can hold besides its weights
     send_bytes_s: float = 50 * GB  # what the instance sends to another one (RDMA)
+    per_request_s: float = 0.0  # each request of a forward (see the module docstring)
+    overlap: bool = True  # compute and memory traffic overlap (False: they add up)
 
     def __post_init__(self) -> None:
         if self.flops_s <= 0 or self.bytes_s <= 0 or self.send_bytes_s <= 0:
             raise ValueError("flops_s, bytes_s and send_bytes_s must be > 0")
-        if self.overhead_s < 0 or self.kv_capacity_tokens <= 0:
-            raise ValueError("need overhead_s >= 0 and kv_capacity_tokens > 0")
+        if self.overhead_s < 0 or self.kv_capacity_tokens <= 0 or self.per_request_s < 0:
+            raise ValueError("need overhead_s >= 0, per_request_s >= 0, kv_capacity_tokens > 0")
 
     @classmethod
     def of(
@@ -56,6 +65,7 @@ class StepCosts:
         bw_util: float = 0.7,
         overhead_s: float = 0.01,
         kv_mem_fraction: float = 0.9,
+        per_request_s: float = 0.0,
     ) -> StepCosts:
         """An instance of `chips` chips holding one copy of the model: an SGLang server at
         `--tp-size chips` (the communication between its chips is not modelled)."""
@@ -74,6 +84,7 @@ class StepCosts:
             overhead_s=overhead_s,
             kv_capacity_tokens=int(free * kv_mem_fraction / model.kv_bytes_per_token),
             send_bytes_s=chips * chip.interconnect_gbs * GB,
+            per_request_s=per_request_s,
         )
 
     @classmethod
@@ -104,14 +115,16 @@ class StepCosts:
 
     from_measurements = calibrate
 
-    def forward_s(self, tokens: float, pairs: float, kv_read: float) -> float:
-        """One forward over `tokens` new tokens, `pairs` attention pairs, `kv_read` context."""
+    def forward_s(self, tokens: float, pairs: float, kv_read: float, requests: int = 1) -> float:
+        """One forward of `requests` requests over `tokens` new tokens, `pairs` attention
+        pairs, `kv_read` context."""
         if tokens <= 0:
             return 0.0
         m = self.model
         compute = m.flops(tokens, pairs) / self.flops_s
         memory = (m.weights_read(tokens) + (kv_read + tokens) * m.kv_bytes_per_token) / self.bytes_s
-        return self.overhead_s + max(compute, memory)
+        both = max(compute, memory) if self.overlap else compute + memory
+        return self.overhead_s + self.per_request_s * requests + both
 
     def prefill_s(self, new: int, cached: int = 0) -> float:
         """Prefill of `new` uncached tokens after `cached` cached ones."""
@@ -121,11 +134,11 @@ class StepCosts:
         """One prefill forward over several (new, cached) prompts."""
         tokens = sum(n for n, _ in jobs)
         pairs = sum(prefill_pairs(n, c) for n, c in jobs)
-        return self.forward_s(tokens, pairs, sum(c for _, c in jobs))
+        return self.forward_s(tokens, pairs, sum(c for _, c in jobs), len(jobs))
 
     def decode_step_s(self, batch: int, kv_tokens: float) -> float:
         """One decode step of `batch` requests holding `kv_tokens` context in all."""
-        return self.forward_s(batch, kv_tokens, kv_tokens)
+        return self.forward_s(batch, kv_tokens, kv_tokens, batch)
 
     def extend_s(self, tokens: int, context: int) -> float:
         """An extend alone: `tokens` handed-off tokens recomputed over `context` tokens of KV."""
@@ -146,6 +159,7 @@ class StepCosts:
             "tflops_effective": self.flops_s / 1e12,
             "gbs_effective": self.bytes_s / GB,
             "overhead_ms": self.overhead_s * 1e3,
+            "per_request_ms": self.per_request_s * 1e3,
             "kv_capacity_tokens": float(self.kv_capacity_tokens),
         }
 

@@ -217,7 +217,7 @@ def analytic_capacity(
             ttft.append(t + c.rdma_latency_s + r.prompt_tokens * kvb / pc.send_bytes_s)
         else:
             wan_s = (r.prompt_tokens - hit(r)) * kvb / link.flow_bytes_per_s
-            ttft.append(t + wan_s + 2 * link.mean_one_way_s())
+            ttft.append(c.md_bootstrap_s + t + wan_s + 2 * link.mean_one_way_s())
     bounds["ttft_zero_load"] = percentile(ttft, sla.quantile * 100)
     rate = min(v for k, v in bounds.items() if k != "ttft_zero_load")
     bounds["capacity"] = 0.0 if bounds["ttft_zero_load"] > sla.ttft_s else QUEUEING * rate

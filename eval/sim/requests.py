@@ -17,12 +17,18 @@ class SimRequest:
     prompt_tokens: int
     cached_tokens: int = 0  # P-side prefix hit
     output_tokens: int = 1  # including token 0, which P computes
+    # MD's prefix hit when known (a replayed live request: what MD lacked and was sent); None:
+    # the simulator's model (simulation.Simulation.md_cached)
+    md_cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1 or self.output_tokens < 1:
             raise ValueError("a request needs >= 1 prompt token and >= 1 output token")
         if not 0 <= self.cached_tokens <= self.prompt_tokens:
             raise ValueError("need 0 <= cached_tokens <= prompt_tokens")
+        md = self.md_cached_tokens
+        if md is not None and not 0 <= md <= self.prompt_tokens:
+            raise ValueError("need 0 <= md_cached_tokens <= prompt_tokens")
 
 
 _FIELDS = {

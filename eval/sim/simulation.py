@@ -12,6 +12,10 @@ random stream (WAN jitter only). Four deployment kinds:
 What is modelled:
 - P instances run FIFO prefill batches (up to `prefill_batch_tokens` new tokens; a longer prompt
   runs alone); the step time is the roofline of `costs.StepCosts`. P produces output token 0.
+  A P->MD request reaches P's queue `md_bootstrap_s` after it arrived (MD's bootstrap); on
+  P->RLD->MD, MD's KV leaves no earlier than that. With `shared_host_s` (the testbed: all
+  servers on one CPU), a first token reaches the client that much later per request decoding
+  anywhere.
 - Decode instances (D, RLD, MD) run continuous batching: every step produces one token for each
   running request. MD's handoffs run as pdd.srt.main_decode runs them: the CHUNKs and HANDOFFs
   that arrived during a step are acted on before the next one, in one extend forward for all
@@ -20,14 +24,15 @@ What is modelled:
   whose input is its last handed-over token (MD recomputes the others). A request is admitted
   when a slot (`max_batch`) and KV memory for its prompt and output are free, else it waits (a
   cached prefix counts too: each agent session's context is its own, not shared between
-  requests).
+  requests). Its first token is streamed when it joins a step (after the one running).
 - The WAN shares its line fairly between concurrent KV transfers, each capped at the TCP flow
   rate; every message also takes one sampled one-way delay. Control messages (READY, chunks,
   ACKs, HANDOFF) take one one-way delay and no bandwidth. RDMA (P -> RLD, P -> D) is not
   contended: latency + bytes / interconnect.
 - The user and the router sit in datacenter A: what RLD streams is seen at once, what MD streams
   one one-way delay later (sampled once per request).
-- MD's decode-side cache: a request's MD hit is its P-side hit (an aligned DRC), scaled down by
+- MD's decode-side cache: a request's MD hit is its own `md_cached_tokens` when given (a
+  replayed live request), else its P-side hit (an aligned DRC), scaled down by
   min(1, free MD KV memory x number of MDs / hot_set_tokens) when `hot_set_tokens` (the
   workload's reused prefix tokens) is given: a full MD remembers less. `naive` MD has no cache;
   RLD and same-DC D get the whole prompt's KV.
@@ -48,16 +53,14 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pdd.eval.sim.clock import Clock
-from pdd.eval.sim.config import TIERS, ClusterConfig, Sla
+from pdd.eval.sim.config import ClusterConfig, Sla
 from pdd.eval.sim.costs import StepCosts
 from pdd.eval.sim.requests import SimRequest, as_sim_request
-from pdd.eval.sim.results import RequestResult, SimResult, summarize
+from pdd.eval.sim.results import SimResult, summarize
+from pdd.eval.sim.router import RouterView
 from pdd.eval.sim.tiers import Decode, Prefill, RequestState, Slot, prefill_job
 from pdd.eval.sim.wan import Wan
-from pdd.policy.balance import pick_least_loaded
 from pdd.policy.handoff import choose_mode, next_step, relay_finishes
-from pdd.policy.path import Signals, choose_path
-from pdd.router.estimates import RelaySpeed, WanEstimate
 
 
 class Simulation:
@@ -82,57 +85,44 @@ class Simulation:
             rc = c.step_costs(c.relay)
             self.rld = [Decode(self.clock, rc, c.relay.max_batch) for _ in range(c.relay.instances)]
         self.wan = Wan(self.clock, self.rng, c.link)
-        # The router's view: requests in flight per instance, and its learned estimates.
-        self.load = {"P": [0] * len(self.p), "RLD": [0] * len(self.rld), "MD": [0] * len(self.md)}
-        self.cursor = {"P": 0, "RLD": 0, "MD": 0}
-        self.wan_est = [WanEstimate() for _ in self.md]  # one per MD, as in the router
-        self.relay_speed = RelaySpeed()
-        if c.warm_estimates:
-            for est in self.wan_est:
-                est.kv_bytes_per_token = c.model.kv_bytes_per_token
-                est.bytes_per_s = c.link.flow_bytes_per_s
-            if self.rld:
-                self.relay_speed.tpot_s.add(self.rld[0].costs.decode_step_s(1, 0))
+        counts = {"P": len(self.p), "RLD": len(self.rld), "MD": len(self.md)}
+        relay_step = self.rld[0].costs.decode_step_s(1, 0) if self.rld else None
+        self.router = RouterView(c, counts, relay_step)
+        self.load = self.router.load
         self.states: list[RequestState] = []
 
-    # -- the router
+    def _first_token(self, st: RequestState, delay_s: float = 0.0) -> None:
+        """The client gets token 0 `delay_s` from now (MD: its stream's way back), later by
+        `shared_host_s` per request decoding anywhere (servers sharing one CPU)."""
+        busy = sum(d.batch for d in (*self.md, *self.rld))
+        st.see_first(self.clock.now + delay_s + self.cfg.shared_host_s * busy)
 
-    def _pick(self, tier: str) -> int:
-        loads: list[int | None] = list(self.load[tier])
-        i = pick_least_loaded(loads, self.cursor[tier])
-        self.cursor[tier] = (self.cursor[tier] + 1) % len(loads)
-        return i
+    # -- the router
 
     def md_cached(self, req: SimRequest, md: int) -> int:
         """MD's prefix hit for this request (see the module docstring)."""
         if self.cfg.kind in ("same-dc", "naive"):
             return 0
+        cached = req.cached_tokens if req.md_cached_tokens is None else req.md_cached_tokens
         hot = self.cfg.hot_set_tokens
         if not hot:
-            return req.cached_tokens
+            return cached
         inst = self.md[md]
         free = max(inst.costs.kv_capacity_tokens - inst.reserved, 0)
-        return int(req.cached_tokens * min(1.0, free * len(self.md) / hot))
+        return int(cached * min(1.0, free * len(self.md) / hot))
 
     def _arrive(self, st: RequestState) -> None:
-        req, cfg = st.req, self.cfg
-        st.p = self._pick("P")
+        req, cfg, router = st.req, self.cfg, self.router
+        st.p = router.pick("P")
         self.load["P"][st.p] += 1
-        st.md = self._pick("MD")
+        st.md = router.pick("MD")
         st.md_hit = self.md_cached(req, st.md)
         if cfg.kind == "pdd":
-            st.rld = self._pick("RLD")
-            signals = Signals(
-                prompt_tokens=req.prompt_tokens,
-                max_new_tokens=req.output_tokens,
-                md_cached_tokens=st.md_hit,
-                transfer_s=self.wan_est[st.md].transfer_s(req.prompt_tokens - st.md_hit),
-                relay_decode_s=self.relay_speed.decode_s(req.output_tokens),
-                relay_load=self.load["RLD"][st.rld],
-                prefill_s=self.p[st.p].costs.prefill_s(*prefill_job(req)),
-                relay_capacity=cfg.relay.max_batch if cfg.relay is not None else None,
-            )
-            choice = choose_path(None, cfg.path, [], signals, cfg.path_policy)
+            st.rld = router.pick("RLD")
+            true_s = self.p[st.p].costs.prefill_s(*prefill_job(req))
+            prefill = router.prefill_s(req.prompt_tokens - req.cached_tokens, true_s)
+            choice, st.direct_base_s = router.choose(req, st.md_hit, st.md, st.rld, prefill,
+                                                     self.clock.now)  # fmt: skip
             st.path, st.reason = choice.path, choice.reason
         else:
             st.path, st.reason = "main", cfg.kind
@@ -143,7 +133,11 @@ class Simulation:
         for tier, i in (("RLD", st.rld), ("MD", st.md)):
             if i is not None:
                 self.load[tier][i] += 1
-        self.p[st.p].submit(st)
+        if st.path == "main" and cfg.kind != "same-dc" and cfg.md_bootstrap_s > 0:
+            # SGLang's P takes a request into its queue once its decode side bootstrapped.
+            self.clock.at(self.clock.now + cfg.md_bootstrap_s, self.p[st.p].submit, st)
+        else:
+            self.p[st.p].submit(st)
 
     def prefilled(self, st: RequestState) -> None:
         """P is done (token 0 exists): send the KV where the path says."""
@@ -166,7 +160,9 @@ class Simulation:
             st.stream_delay_s = cfg.link.one_way_s(self.rng)
             st.wan_bytes = (req.prompt_tokens - st.md_hit) * kvb
             st.wan_sent_s = now
-            self.wan.send(st.wan_bytes, lambda: self._to_main(st))
+            # P->RLD->MD: MD's bootstrap ran beside RLD's part; the KV waits for it to end.
+            start = max(now, req.arrival_s + cfg.md_bootstrap_s)
+            self.clock.at(start, self.wan.send, st.wan_bytes, lambda: self._to_main(st))
 
     def _rdma_s(self, src: StepCosts, dst: StepCosts, nbytes: float) -> float:
         rate = min(src.send_bytes_s, dst.send_bytes_s)
@@ -175,18 +171,21 @@ class Simulation:
     # -- RLD
 
     def _to_relay(self, st: RequestState) -> None:
+        """P answers (the KV is on RLD): the router learns P's speed from it."""
+        req = st.req
+        self.router.prefill_speed.observe(req.prompt_tokens - req.cached_tokens,
+                                          self.clock.now - req.arrival_s)  # fmt: skip
         if st.finished or st.relay_stopped:
             return
         assert st.rld is not None
-        req = st.req
         slot = Slot(st, req.prompt_tokens + req.output_tokens, req.output_tokens,
-                     self._relay_admitted, self._relay_finished)  # fmt: skip
+                    self._relay_admitted, self._relay_finished,
+                    lambda s: self._first_token(s.st))  # fmt: skip
         st.rld_slot = slot
         self.rld[st.rld].request(slot)
 
     def _relay_admitted(self, slot: Slot) -> None:
         st = slot.st
-        st.see_first(self.clock.now)  # RLD streams token 0 at once
         assert st.rld is not None
         self.rld[st.rld].run(slot, 1, st.req.prompt_tokens)
 
@@ -201,7 +200,7 @@ class Simulation:
 
     def _observe_relay(self, st: RequestState, tokens: int) -> None:
         if math.isfinite(st.first_s):
-            self.relay_speed.observe(tokens, self.clock.now - st.first_s)
+            self.router.relay_speed.observe(tokens, self.clock.now - st.first_s)
 
     def _release_relay(self, st: RequestState) -> None:
         if st.rld is not None and not st.relay_stopped:
@@ -229,13 +228,26 @@ class Simulation:
         req = st.req
         reserve = req.prompt_tokens + req.output_tokens  # a cached prefix is held all the same
         on_admit = self._ready if st.path == "pdd" else self._main_admitted
-        slot = Slot(st, reserve, req.output_tokens, on_admit, self._main_finished)
+        slot = Slot(st, reserve, req.output_tokens, on_admit, self._main_finished,
+                    lambda s: self._first_token(s.st, s.st.stream_delay_s))  # fmt: skip
         st.md_slot = slot
         self.md[st.md].request(slot)
+        if st.path == "main" and self.cfg.kind != "same-dc":
+            # MD's READY: the router learns the WAN from it on P->MD too (time since it sent
+            # P the request, less P's compute).
+            t = self.clock.now + self.cfg.link.one_way_s(self.rng)
+            self.clock.at(t, self._main_ready, st)
+
+    def _main_ready(self, st: RequestState) -> None:
+        if st.md is not None:
+            now, suffix = self.clock.now, st.req.prompt_tokens - st.md_hit
+            true_s = self.p[st.p].costs.prefill_s(*prefill_job(st.req))
+            compute = self.router.prefill_s(suffix, true_s)  # the router's, as live
+            self.router.observe_ready(st.md, st.wan_bytes, suffix, now - st.req.arrival_s, now,
+                                      compute, direct=True)  # fmt: skip
 
     def _main_admitted(self, slot: Slot) -> None:
         st = slot.st
-        st.see_first(self.clock.now + st.stream_delay_s)
         assert st.md is not None
         self.md[st.md].run(slot, 1, st.req.prompt_tokens)
 
@@ -244,6 +256,9 @@ class Simulation:
         done_by_md = slot.target - max(st.tokens.get("RLD", 0) + 1, 1)
         st.tokens["MD"] = done_by_md
         self._finish(st, self.clock.now + st.stream_delay_s)
+        if st.path == "main" and st.md is not None:
+            ttft = st.first_s - st.req.arrival_s
+            self.router.observe_first_token(st.md, ttft, st.direct_base_s, self.clock.now)
         self._release_main(st)
 
     def _ready(self, slot: Slot) -> None:
@@ -255,7 +270,7 @@ class Simulation:
         if st.finished or st.md is None:
             return
         suffix = st.req.prompt_tokens - st.md_hit
-        self.wan_est[st.md].observe(int(st.wan_bytes), suffix, now - st.wan_sent_s)
+        self.router.observe_ready(st.md, st.wan_bytes, suffix, now - st.wan_sent_s, now)
         pending = self._available(st)
         left = st.req.output_tokens - pending
         if self._relay_running(st) and relay_finishes(self.cfg.handoff, left=left):
@@ -319,7 +334,7 @@ class Simulation:
 
         def extended() -> None:
             if available == 0:
-                st.see_first(self.clock.now + st.stream_delay_s)
+                self._first_token(st, st.stream_delay_s)
             self.md[md].run(slot, base, prompt + base - 1)
 
         t = self.clock.now + self.cfg.link.one_way_s(self.rng)
@@ -338,7 +353,7 @@ class Simulation:
             self.states.append(st)
             self.clock.at(req.arrival_s, self._arrive, st)
         self.clock.run()
-        results = [self._result(st) for st in self.states]
+        results = [st.result() for st in self.states]
         if any(not st.finished for st in self.states):
             raise RuntimeError("simulation ended with unfinished requests")
         summary = summarize(results, Sla(), self._utilisation(), self.cfg.cost)
@@ -359,27 +374,6 @@ class Simulation:
         if self.wan.sent and span > 0:  # the line's average load
             util["WAN"] = self.wan.sent / (self.cfg.link.bytes_per_s * span)
         return util
-
-    def _result(self, st: RequestState) -> RequestResult:
-        r = st.req
-        tokens = {t: st.tokens.get(t, 0) for t in TIERS}
-        return RequestResult(
-            index=st.index,
-            arrival_s=r.arrival_s,
-            prompt_tokens=r.prompt_tokens,
-            cached_tokens=r.cached_tokens,
-            md_cached_tokens=st.md_hit,
-            output_tokens=r.output_tokens,
-            path=st.path,
-            reason=st.reason,
-            first_token_s=st.first_s,
-            finish_s=st.finish_s,
-            wan_bytes=st.wan_bytes,
-            rdma_bytes=st.rdma_bytes,
-            tokens=tokens,
-            handoff_mode=st.mode,
-            chunks=st.chunks,
-        )
 
 
 def simulate(requests: Iterable[Any], config: ClusterConfig, sla: Sla | None = None) -> SimResult:

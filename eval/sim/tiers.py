@@ -15,8 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdd.eval.sim.clock import Clock
+from pdd.eval.sim.config import TIERS
 from pdd.eval.sim.costs import StepCosts
 from pdd.eval.sim.requests import SimRequest
+from pdd.eval.sim.results import RequestResult
 
 
 @dataclass(eq=False)
@@ -45,9 +47,30 @@ class RequestState:
     md_done: int = 0  # leading output tokens MD holds KV for
     relay_stopped: bool = False
     finished: bool = False
+    direct_base_s: float | None = None  # the router's P->MD first token, compute + transfer
 
     def see_first(self, t: float) -> None:
         self.first_s = min(self.first_s, t)
+
+    def result(self) -> RequestResult:
+        r = self.req
+        return RequestResult(
+            index=self.index,
+            arrival_s=r.arrival_s,
+            prompt_tokens=r.prompt_tokens,
+            cached_tokens=r.cached_tokens,
+            md_cached_tokens=self.md_hit,
+            output_tokens=r.output_tokens,
+            path=self.path,
+            reason=self.reason,
+            first_token_s=self.first_s,
+            finish_s=self.finish_s,
+            wan_bytes=self.wan_bytes,
+            rdma_bytes=self.rdma_bytes,
+            tokens={t: self.tokens.get(t, 0) for t in TIERS},
+            handoff_mode=self.mode,
+            chunks=self.chunks,
+        )
 
 
 @dataclass(eq=False)
@@ -59,6 +82,9 @@ class Slot:
     target: int  # output tokens at which it ends
     on_admit: Callable[[Slot], None]
     on_finish: Callable[[Slot], None]
+    # When it joins a step: SGLang's decode server streams a request's first token in the loop
+    # iteration that takes it in, after the step that was running.
+    on_join: Callable[[Slot], None] | None = None
     visible0: int = 1
     context0: int = 0
     joined: int = 0
@@ -259,6 +285,8 @@ class Decode:
         for e in handoffs:
             e.on_done()
         for slot in self.joining:
+            if slot.on_join is not None:
+                slot.on_join(slot)
             slot.running = True
             slot.joined = self.steps
             self.batch += 1
