@@ -60,3 +60,35 @@ def flush_cache(url: str, wait_s: float = 30.0) -> None:
             pass
     except urllib.error.HTTPError as err:
         raise RuntimeError(f"{url} did not flush its cache: {err.read()!r}") from err
+
+
+def mirrored_tokens(router_url: str) -> int:
+    """Tokens of MD's KV the router mirrors, all MDs together (from their cache syncs)."""
+    with urllib.request.urlopen(f"{router_url}/status", timeout=30) as resp:
+        caches = json.loads(resp.read())["md_caches"]
+    return sum(int(c["tokens"]) for c in caches.values())
+
+
+def wait_mirrored(router_url: str, at_least: int, timeout_s: float = 30.0) -> int:
+    """Waits until the router mirrors `at_least` tokens of MD's KV (MD's cache sync has reached
+    it) and returns what it mirrors; TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = mirrored_tokens(router_url)
+        if got >= at_least:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the router mirrors {got} tokens of MD's KV after "
+                               f"{timeout_s:g}s, not the {at_least} expected")  # fmt: skip
+        time.sleep(0.05)
+
+
+def router_sees_flush(router_url: str, timeout_s: float = 10.0) -> None:
+    """Waits until the router mirrors none of MD's KV after a flush (MD's next cache sync): a
+    request sent before would be planned on KV that MD no longer holds."""
+    deadline = time.monotonic() + timeout_s
+    while (got := mirrored_tokens(router_url)) > 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the router still mirrors {got} tokens of MD's KV "
+                               f"{timeout_s:g}s after the flush")  # fmt: skip
+        time.sleep(0.05)

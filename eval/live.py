@@ -48,7 +48,7 @@ import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pdd.eval.client import flush_cache, stream_generate
+from pdd.eval.client import flush_cache, router_sees_flush, stream_generate
 from pdd.eval.live_plan import TraceSpec, pool_tokens, trace_at, warmup, working_set
 from pdd.eval.live_report import Outputs, report
 from pdd.eval.replay import replay
@@ -56,7 +56,8 @@ from pdd.eval.report import Record, Run, Sla
 from pdd.eval.workload import TraceRequest, hit_rate_summary, materialize
 from pdd.launch.cli import command_parser
 from pdd.launch.pdd_deploy import RELAY_FRACTION, PDDDeployment
-from pdd.launch.process import exit_on_sigterm
+from pdd.launch.process import exit_on_sigterm, free_port, stop_groups
+from pdd.launch.router import RouterService
 from pdd.launch.testbed import Testbed, add_flow_window_argument
 from pdd.launch.wan import LinkParams
 from pdd.models.kv import DTYPE_BYTES, kv_bytes_per_token
@@ -67,7 +68,7 @@ class Deployment:
     name: str
     decode_cache: bool  # MD keeps a radix tree of the KV it holds
     path: str | None  # the path every request asks for; None: the router's auto policy
-    group: str  # deployments of one group share one set of servers and router
+    group: str  # deployments of one group share one set of servers (each its own router)
     relay_fraction: float = RELAY_FRACTION  # RLD's capacity / MD's
     handoff_mode: str | None = None  # the router's --handoff-mode; None: its default
     relay_guard: bool = True  # off: low-hit requests queue on a full RLD (the collapse)
@@ -84,11 +85,9 @@ DEPLOYMENTS = [
     Deployment("naive cross-DC PD", False, "main", "naive"),
     Deployment("cross-DC PD + decode cache", True, "main", "pdd", handoff_mode="extend"),
     Deployment("PDD", True, None, "pdd", handoff_mode="extend"),
-    Deployment("PDD catch-up", True, None, "pdd-catchup", handoff_mode="catchup"),
-    # What the guard prevents, at the same load: not among the defaults (one more start-up).
-    Deployment(
-        "PDD no RLD guard", True, None, "pdd-noguard", handoff_mode="extend", relay_guard=False
-    ),  # fmt: skip
+    Deployment("PDD catch-up", True, None, "pdd", handoff_mode="catchup"),
+    # What the guard prevents, at the same load: not among the defaults (one more pass).
+    Deployment("PDD no RLD guard", True, None, "pdd", handoff_mode="extend", relay_guard=False),
 ]
 DEFAULT_DEPLOYMENTS = [d.name for d in DEPLOYMENTS if d.relay_guard]
 REQUEST_TIMEOUT_S = 600.0
@@ -112,9 +111,10 @@ def request_body(ids: list[int], max_new: int, path: str | None) -> dict:
     return body
 
 
-def run_pass(dep: Deployment, pdd: PDDDeployment, tb: Testbed, pace: Pace,
+def run_pass(dep: Deployment, url: str, pdd: PDDDeployment, tb: Testbed, pace: Pace,
              warm: list[list[int]], args: argparse.Namespace) -> tuple[Run, Outputs]:  # fmt: skip
-    """One deployment's pass over one rate's trace: records and each request's output ids."""
+    """One deployment's pass over one rate's trace, through the router at `url`: records and
+    each request's output ids."""
     trace, prompts = pace.trace, pace.prompts
     outputs: Outputs = [None] * len(trace)
     index = {req.id: i for i, req in enumerate(trace)}
@@ -122,7 +122,7 @@ def run_pass(dep: Deployment, pdd: PDDDeployment, tb: Testbed, pace: Pace,
     def send(req: TraceRequest) -> Record:
         i = index[req.id]
         body = request_body(prompts[i], min(req.output_tokens, args.max_new), dep.path)
-        got = stream_generate(pdd.url, body, timeout=REQUEST_TIMEOUT_S)
+        got = stream_generate(url, body, timeout=REQUEST_TIMEOUT_S)
         final = got.final
         meta = final["meta_info"].get("pdd") or {}
         outputs[i] = list(final["output_ids"])
@@ -134,10 +134,10 @@ def run_pass(dep: Deployment, pdd: PDDDeployment, tb: Testbed, pace: Pace,
 
     for server in pdd.servers():  # each deployment's pass starts cold ...
         flush_cache(server.url)
-    router_sees_flush(pdd.url)
+    router_sees_flush(url)
     for ids in warm:  # ... but for the system prompts, cached in steady state
         body = request_body(ids, 1, "relay" if dep.path == "relay" else "main")
-        stream_generate(pdd.url, body, timeout=REQUEST_TIMEOUT_S)
+        stream_generate(url, body, timeout=REQUEST_TIMEOUT_S)
     before = int(tb.wan.status()["counters"]["a_to_b"]["bytes"])
     start = time.monotonic()
     loop = {"concurrency": args.concurrency} if pace.rate is None else {"speed": 1.0}
@@ -156,24 +156,31 @@ def run_pass(dep: Deployment, pdd: PDDDeployment, tb: Testbed, pace: Pace,
     return run, outputs
 
 
+def group_routers(deps: list[Deployment], pdd: PDDDeployment,
+                  route_ttft: float) -> dict[str, RouterService]:  # fmt: skip
+    """Each deployment's router on the group's servers: the deployment's own router for the
+    first; a second router beside it for one that routes differently (e.g. Catch-Up handoffs),
+    started and ready on return. Its estimates start fresh, as on a deployment of its own."""
+    by_args = {deps[0].router_args(route_ttft): pdd.router}
+    routers = {}
+    for dep in deps:
+        argv = dep.router_args(route_ttft)
+        if argv not in by_args:
+            first = pdd.router
+            name = "router-" + dep.name.lower().replace(" ", "-")
+            extra = RouterService(name, free_port(), first.log_dir, first.prefill, first.relay,
+                                  first.main, first.placement, extra_args=list(argv))  # fmt: skip
+            extra.start()
+            extra.wait_ready()
+            by_args[argv] = extra
+        routers[dep.name] = by_args[argv]
+    return routers
+
+
 def router_status(url: str) -> dict:
     with urllib.request.urlopen(f"{url}/status", timeout=30) as resp:
         status: dict = json.loads(resp.read())
     return status
-
-
-def router_sees_flush(url: str, timeout_s: float = 10.0) -> None:
-    """Waits until the router's mirror of MD's cache is empty after the flush (MD's next cache
-    sync): a pass started before plans its first requests on KV that MD no longer holds."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        caches = router_status(url)["md_caches"]
-        if all(c["blocks"] == 0 for c in caches.values()):
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the router still mirrors MD's cache {timeout_s:g}s after the "
-                               f"flush: {caches}")  # fmt: skip
-        time.sleep(0.1)
 
 
 def served_capacity(url: str, timeout_s: float = 30.0) -> dict[str, int | None]:
@@ -189,9 +196,12 @@ def served_capacity(url: str, timeout_s: float = 30.0) -> dict[str, int | None]:
 
 def router_estimates(url: str) -> dict:
     """What the router has learnt after a pass (its path choices rest on it): the WAN to MD,
-    RLD's time per token, P's time per prompt token."""
+    what P->MD first tokens took beyond their prediction, RLD's time per token, P's time per
+    prompt token."""
     status = router_status(url)
-    return {"wan": status["instances"]["main"][0]["wan"], "relay_tpot_s": status["relay_tpot_s"],
+    main = status["instances"]["main"][0]
+    return {"wan": main["wan"], "first_token_extra_s": main["first_token_extra_s"],
+            "relay_tpot_s": status["relay_tpot_s"],
             "prefill_s_per_token": status["prefill_s_per_token"]}  # fmt: skip
 
 
@@ -321,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     capacity: dict[str, dict[str, int | None]] = {}
     try:
         for group in dict.fromkeys(d.group for d in chosen):
+            routers: dict[str, RouterService] = {}
             deps = [d for d in chosen if d.group == group]
             first = deps[0]
             pdd = PDDDeployment.create(
@@ -335,16 +346,20 @@ def main(argv: list[str] | None = None) -> int:
                       f"{first.router_args(args.route_ttft)}",
                       flush=True)  # fmt: skip
                 pdd.up()
+                routers = group_routers(deps, pdd, args.route_ttft)
                 capacity[group] = served_capacity(pdd.url)
                 print(f"[{group}] requests each decoder runs at once: {capacity[group]}",
                       flush=True)  # fmt: skip
                 for pace in paces:
                     for dep in deps:
-                        run, out = run_pass(dep, pdd, tb, pace, warm, args)
+                        url = routers[dep.name].url
+                        run, out = run_pass(dep, url, pdd, tb, pace, warm, args)
                         runs[dep.name][pace.rate], outputs[dep.name][pace.rate] = run, out
-                        estimates[dep.name] = router_estimates(pdd.url)
+                        estimates[dep.name] = router_estimates(url)
                 print(f"[{group}] router's estimates: {estimates[deps[-1].name]}", flush=True)
             finally:
+                extra = [r for r in routers.values() if r is not pdd.router]
+                stop_groups([r.process.pgid for r in extra if r.process is not None])
                 pdd.down()
     finally:
         tb.down()

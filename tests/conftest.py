@@ -47,11 +47,25 @@ class Deployment(Protocol):
     def pgids(self) -> dict[str, int]: ...
 
 
+@pytest.fixture(scope="session")
+def colocated(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
+    """One colocated tiny-model server for the whole session: the reference whose greedy tokens
+    every path must reproduce (it holds no state a test depends on). Started when first asked
+    for, not waited for here: a module waits for it after starting its own servers, so the
+    start-ups overlap."""
+    server = SGLangServer("colocated", tiny_model, free_port(), tmp_path_factory.mktemp("ref"))
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.process is not None:
+            stop_groups([server.process.pgid])
+
+
 @contextmanager
 def serving(colocated: SGLangServer, pd: Deployment, *routers: RouterService) -> Iterator[None]:
-    """Starts a colocated reference server and a deployment together, then any more routers
-    over the deployment's servers; stops them all after."""
-    colocated.start()
+    """Starts a deployment, then any more routers over its servers, and waits for the session's
+    colocated reference too; stops the deployment and the routers after."""
     try:
         times = pd.up()
         for router in routers:
@@ -62,17 +76,15 @@ def serving(colocated: SGLangServer, pd: Deployment, *routers: RouterService) ->
         yield
     finally:
         groups = list(pd.pgids().values())
-        groups += [p.process.pgid for p in (colocated, *routers) if p.process is not None]
+        groups += [p.process.pgid for p in routers if p.process is not None]
         stop_groups(groups)
 
 
 @pytest.fixture(scope="module")
 def colocated_and_pd(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path, colocated: SGLangServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[SGLangServer, LocalPD]]:
-    """A colocated server and a P + D (mooncake_tcp) + router deployment on this machine."""
-    run_dir = tmp_path_factory.mktemp("servers")
-    colocated = SGLangServer("colocated", tiny_model, free_port(), run_dir)
-    pd = LocalPD.create(tiny_model, run_dir)
+    """The colocated reference and a P + D (mooncake_tcp) + router deployment on this machine."""
+    pd = LocalPD.create(tiny_model, tmp_path_factory.mktemp("servers"))
     with serving(colocated, pd):
         yield colocated, pd

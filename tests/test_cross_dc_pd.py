@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from pdd.launch.pd_local import LocalPD, generate, wait_serving
-from pdd.launch.process import free_port
 from pdd.launch.servers import SGLangServer
 from pdd.launch.testbed import Testbed
 from pdd.launch.wan import LinkParams
@@ -33,13 +32,12 @@ pytestmark = needs_root
 
 @pytest.fixture(scope="module")
 def cross_dc(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path, colocated: SGLangServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Testbed, SGLangServer, LocalPD]]:
     tb = Testbed("pddpd", LinkParams(RATE_MBIT, DELAY_MS), net="10.213")
     tb.down()  # whatever a crashed earlier run left
     tb.up()
     run_dir = tmp_path_factory.mktemp("cross_dc")
-    colocated = SGLangServer("colocated", tiny_model, free_port(), run_dir)
     pd = LocalPD.create(tiny_model, run_dir, prefill_at=tb.placement("a"),
                         decode_at=tb.placement("b"))  # fmt: skip
     try:

@@ -11,7 +11,6 @@ float32 too, only less) enough to flip one.
 
 from __future__ import annotations
 
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from pdd.eval.client import mirrored_tokens, router_sees_flush, wait_mirrored
 from pdd.eval.prompts import random_ids
 from pdd.launch.pd_local import generate
 from pdd.launch.pdd_deploy import PDDDeployment
@@ -28,6 +28,8 @@ from pdd.launch.testbed import Testbed
 from pdd.launch.wan import LinkParams
 from pdd.models.kv import kv_bytes_per_token
 from tests.marks import needs_root
+
+BLOCK = 16  # tokens per block of the router's mirror of MD's cache
 
 VOCAB = 1024
 MAX_NEW = 48
@@ -93,10 +95,15 @@ def conversation(setup: Setup, seed: int, turns: int) -> list[tuple[dict, int, i
         # P -> MD: MD surely answers, so it keeps prompt and answer. On P -> RLD -> MD, RLD can
         # finish before the prompt's KV has crossed on a fast machine (CI saw it: the router
         # cancelled MD and the next turn found only part of the context on MD).
+        before = mirrored_tokens(setup.pdd.url)
         got, wan = setup.turn(ids, compare=k == 0, path="main")
         out.append((got, wan, len(ids)))
+        # MD's cache sync reaches the router: the KV MD received and the answer's (not the
+        # last token's, never computed), less a block at each end.
+        meta = got["meta_info"]["pdd"]
+        grew = len(ids) - meta["md_cached_tokens"] + len(got["output_ids"]) - 1
+        wait_mirrored(setup.pdd.url, before + grew - 2 * BLOCK)
         ids = ids + got["output_ids"] + random_ids(150, seed * 100 + k, VOCAB)
-        time.sleep(0.5)  # MD's cache sync (batched every 20 ms) reaches the router
     return out
 
 
@@ -113,9 +120,9 @@ def test_each_turn_sends_only_what_md_lacks(setup: Setup) -> None:
         print(f"turn {k + 1}: prompt {prompt}, MD cached {cached}, KV MD lacked {expected} B, "
               f"WAN A->B {wan} B ({wan / expected - 1:+.2%})")  # fmt: skip
         assert meta["wan_kv_bytes"] == expected, meta
-        # The router knew MD's hit before sending, to within one 16-token block.
+        # The router knew MD's hit before sending, to within one block.
         predicted = meta["md_predicted_cached_tokens"]
-        assert predicted <= cached < predicted + 16, (k, meta)
+        assert predicted <= cached < predicted + BLOCK, (k, meta)
         assert abs(wan - expected) <= TOLERANCE * expected, (k, wan, expected)
         previous_prompt = prompt
     full = turns[-1][2] * setup.kv_per_token
@@ -132,7 +139,7 @@ def test_after_md_evicts_what_it_lacks_crosses_again(setup: Setup) -> None:
     ids = random_ids(400, 2, VOCAB)
     for k, (turn, _, _) in enumerate(first):
         ids = ids + turn["output_ids"] + random_ids(150, 2 * 100 + k, VOCAB)
-    time.sleep(0.5)
+    router_sees_flush(setup.pdd.url)
     # P -> MD: MD surely takes this turn (on P -> RLD -> MD, RLD may finish 48 tokens before the
     # whole prompt's KV has crossed, and then MD never reports its hit).
     again, wan = setup.turn(ids, path="main")

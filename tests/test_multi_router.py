@@ -43,6 +43,7 @@ MAX_NEW = 24
 LONG_NEW = 1500  # keeps RLD busy while the routers' view of its load is compared with its own
 BUSY = 4  # requests held on RLD for that comparison
 AGREE_TIMEOUT_S = 20.0
+HOLD = 8  # RLD's tokens before the handoff (pdd_hold_relay: MD takes part on any machine)
 
 
 @dataclass
@@ -58,19 +59,20 @@ class Setup:
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+def setup(
+    tiny_model: Path, colocated: SGLangServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Setup]:
     tb = Testbed("pddmr", LinkParams(100.0, 20.0), net="10.243")
     tb.down()  # whatever a crashed earlier run left
     tb.up()
     run_dir = tmp_path_factory.mktemp("multi_router")
-    colocated = SGLangServer("colocated", tiny_model, free_port(), run_dir)
-    tokenizer = ("--tokenizer", str(tiny_model))
+    router_args = ("--tokenizer", str(tiny_model), "--test-controls")
     # RLD as large as MD: BUSY relay answers of LONG_NEW tokens must fit its KV pool at once.
     pdd = PDDDeployment.create(tiny_model, run_dir, tb.placement("a"), tb.placement("b"),
-                               path="pdd", router_args=tokenizer, relay_fraction=1.0)  # fmt: skip
+                               path="pdd", router_args=router_args, relay_fraction=1.0)  # fmt: skip
     second = RouterService("router-b", free_port(), run_dir, [pdd.prefill], [pdd.relay],
                            [pdd.main], tb.placement("a"), path="pdd",
-                           extra_args=list(tokenizer))  # fmt: skip
+                           extra_args=list(router_args))  # fmt: skip
     try:
         with serving(colocated, pdd, second):
             yield Setup(colocated, pdd, second, tiny_model)
@@ -99,10 +101,10 @@ def relay_own_report(setup: Setup) -> int:
     return sum(r["num_running_reqs"] + r["num_waiting_reqs"] for r in loads)
 
 
-def path_of(i: int) -> dict[str, str]:
+def path_of(i: int) -> dict[str, object]:
     """A quarter of the requests go P -> MD, half through each router (request i goes through
-    router i % 2); the policy routes the rest."""
-    return {"pdd_path": "main"} if i % 8 in (3, 6) else {}
+    router i % 2); the rest P -> RLD -> MD, handed off after HOLD tokens."""
+    return {"pdd_path": "main"} if i % 8 in (3, 6) else {"pdd_hold_relay": HOLD}
 
 
 def test_two_routers_split_64_requests_and_every_output_equals_colocated(setup: Setup) -> None:
@@ -119,9 +121,11 @@ def test_two_routers_split_64_requests_and_every_output_equals_colocated(setup: 
     assert wrong == [], f"outputs differing from colocated: {wrong}"
     paths = Counter(r["meta_info"]["pdd"]["path"] for r in routed)
     print(f"paths: {dict(paths)}")
-    # MD answers the quarter sent P -> MD; the policy's choice for the rest depends on timing
-    # (short answers it may keep on RLD).
-    assert paths["P->MD"] == REQUESTS // 4, paths
+    # MD answers the quarter sent P -> MD; the rest are handed off, concurrently, at HOLD.
+    assert paths == {"P->MD": REQUESTS // 4, "P->RLD->MD": REQUESTS * 3 // 4}, paths
+    handed = [r["meta_info"]["pdd"] for r in routed if r["meta_info"]["pdd"]["path"] != "P->MD"]
+    assert all(m["relay_tokens"] == HOLD and m["main_tokens"] == MAX_NEW - HOLD
+               for m in handed), handed  # fmt: skip
     for router in setup.routers:
         counters = get_json(f"{router}/status")["counters"]
         served = sum(n for k, n in counters.items() if k.startswith('requests_total{path="P'))

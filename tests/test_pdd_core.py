@@ -67,12 +67,13 @@ def body(ids: list[int], max_new: int = MAX_NEW, **extra: object) -> dict:
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+def setup(
+    tiny_model: Path, colocated: SGLangServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Setup]:
     tb = Testbed("pddcore", LinkParams(RATE_MBIT, DELAY_MS), net="10.217")
     tb.down()  # whatever a crashed earlier run left
     tb.up()
     run_dir = tmp_path_factory.mktemp("pdd_core")
-    colocated = SGLangServer("colocated", tiny_model, free_port(), run_dir)
     pdd = PDDDeployment.create(
         tiny_model, run_dir, tb.placement("a"), tb.placement("b"),
         path="pdd", router_args=("--handoff-mode", "extend", *TEST_CONTROLS),
@@ -219,14 +220,18 @@ def test_single_tier_paths_equal_colocated(setup: Setup, path: str) -> None:
     assert pdd_meta(got)["path"] == {"relay": "P->RLD", "main": "P->MD"}[path]
 
 
-def test_sixteen_concurrent_requests(setup: Setup) -> None:
+def test_sixteen_concurrent_handoffs_equal_colocated(setup: Setup) -> None:
     prompts = [random_ids(100 + 60 * i, seed=600 + i) for i in range(16)]
     refs = [setup.reference(ids) for ids in prompts]
     with ThreadPoolExecutor(16) as pool:
-        got = list(pool.map(lambda ids: generate(setup.pdd.url, body(ids), 300), prompts))
+        got = list(pool.map(
+            lambda ids: generate(setup.pdd.url, body(ids, pdd_hold_relay=HOLD), 300), prompts
+        ))  # fmt: skip
     for i, (g, ref) in enumerate(zip(got, refs, strict=True)):
         assert g["output_ids"] == ref, f"request {i}"
-    assert {pdd_meta(g)["path"] for g in got} <= {"P->RLD->MD", "P->RLD"}
+        meta = pdd_meta(g)
+        assert meta["path"] == "P->RLD->MD" and meta["relay_tokens"] == HOLD, (i, meta)
+        assert meta["main_tokens"] == MAX_NEW - HOLD, (i, meta)
 
 
 def test_no_kv_leaked_anywhere(setup: Setup) -> None:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import time
 
 import pytest
 
 from pdd.control.secret import ENV_SECRET
 from pdd.router.config import build_parser, config_from_args
-from pdd.router.request_base import pace
 
 BASE = ["--prefill", "http://10.0.0.1:30000", "8998", "--relay", "http://10.0.0.1:30001",
         "--main", "http://10.0.0.2:30002", "17000"]  # fmt: skip
@@ -22,38 +19,20 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_defaults_are_production_values() -> None:
     cfg = config_from_args(parse())
-    assert cfg.path == "auto" and cfg.md_feed_after_tokens == 0 and cfg.relay_pace_s == 0.0
+    assert cfg.path == "auto" and cfg.md_feed_after_tokens == 0
     assert not cfg.test_controls and config_from_args(parse("--test-controls")).test_controls
     assert cfg.main[0].control_addr == "tcp://10.0.0.2:17000"
 
 
-def test_relay_pace_is_given_in_ms() -> None:
-    assert config_from_args(parse("--relay-pace-ms", "30")).relay_pace_s == pytest.approx(0.03)
-
-
-@pytest.mark.parametrize(
-    "argv",
-    [["--relay-pace-ms", "-1"], ["--md-feed-after-tokens", "-5"]],
-)
-def test_negative_testing_knobs_are_rejected(argv: list[str]) -> None:
+def test_a_negative_md_feed_delay_is_rejected() -> None:
     with pytest.raises(ValueError, match="must be >= 0"):
-        config_from_args(parse(*argv))
+        config_from_args(parse("--md-feed-after-tokens", "-5"))
 
 
 def test_a_bad_path_names_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse("--path", "sideways")
     assert "invalid choice: 'sideways'" in capsys.readouterr().err
-
-
-def test_pace_holds_a_chunk_until_its_tokens_are_due() -> None:
-    async def held(tokens: object) -> float:
-        start = time.monotonic()
-        await pace({"meta_info": {"completion_tokens": tokens}}, start, 0.05)
-        return time.monotonic() - start
-
-    assert asyncio.run(held(4)) >= 0.2
-    assert asyncio.run(held(None)) < 0.05  # no token count: passed on at once
 
 
 def test_router_refuses_an_unauthenticated_control_socket_beyond_loopback(

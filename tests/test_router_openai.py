@@ -8,7 +8,6 @@ import argparse
 import asyncio
 import json
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import openai
 import pytest
 
+from pdd.eval.client import mirrored_tokens, wait_mirrored
 from pdd.router.config import (
     PrefillTarget,
     RelayTarget,
@@ -646,6 +646,7 @@ def test_live_chat_turns_reuse_what_md_holds(live: Live, tokenizer: RouterTokeni
     system = {"role": "system", "content": "You review Python code."}
     messages: list[Any] = [system, {"role": "user", "content": "What does `for` do?"}]
     extra = {"pdd_path": "main", "ignore_eos": True}  # P->MD: MD surely keeps the answer
+    before = mirrored_tokens(live.router_url)
     first = api.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=40, temperature=0, extra_body=extra
     )
@@ -654,7 +655,10 @@ def test_live_chat_turns_reuse_what_md_holds(live: Live, tokenizer: RouterTokeni
     answer = first.choices[0].message.content or ""
     messages += [{"role": "assistant", "content": answer},
                  {"role": "user", "content": "And `while`?"}]  # fmt: skip
-    time.sleep(0.5)  # MD's cache sync (batched every 20 ms) reaches the router
+    # MD's cache sync reaches the router: what turn 1 added to MD (the prompt MD lacked, the
+    # answer but its last token), less a 16-token block at each end.
+    held = (first.model_extra or {})["pdd"]["md_cached_tokens"]
+    wait_mirrored(live.router_url, before + prompt1 - held + 40 - 1 - 32)
     second = api.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body=extra
     )

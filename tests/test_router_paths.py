@@ -47,14 +47,16 @@ class Deployment:
     slow_main: RouterService  # never feeds MD: its READY deadline (1 s) passes
 
     def servers(self) -> list[SGLangServer | RouterService]:
-        return [self.router, self.catchup, self.no_main, self.slow_main, self.colocated,
-                self.prefill, self.relay, self.main]  # fmt: skip
+        """Its own servers and routers (the colocated reference is the session's)."""
+        return [self.router, self.catchup, self.no_main, self.slow_main, self.prefill,
+                self.relay, self.main]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+def deployment(
+    tiny_model: Path, colocated: SGLangServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
     run_dir = tmp_path_factory.mktemp("router")
-    colocated = SGLangServer("colocated", tiny_model, free_port(), run_dir)
     prefill = SGLangServer("prefill", tiny_model, free_port(), run_dir, mode="prefill",
                            bootstrap_port=free_port())  # fmt: skip
     relay = SGLangServer("relay", tiny_model, free_port(), run_dir, mode="decode")
@@ -89,6 +91,7 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             s.start()
         for s in d.servers():
             s.wait_ready()
+        colocated.wait_ready()
         yield d
     finally:
         stop_groups([s.process.pgid for s in d.servers() if s.process is not None])

@@ -5,7 +5,8 @@ P and RLD in datacenter A, two MDs in B, the router in A with `--path auto`. The
 takes seconds to reach MD, missing the router's 1 s TTFT SLA, while a conversation's next turn (MD
 holds all but its last few tokens) meets it: the three paths each become the right one for some
 request. RLD is small (two requests at once, as its server reports), so the guard shows.
-RLD's tokens are paced at 30 ms each, so its speed is the same on every machine.
+Where a test needs MD to take over, RLD holds its output at HOLD tokens until MD is ready
+(pdd_hold_relay), so the handoff happens on any machine, however fast RLD decodes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from pdd.eval.client import mirrored_tokens, wait_mirrored
 from pdd.launch.pd_local import generate
 from pdd.launch.process import free_port, stop_groups
 from pdd.launch.router import RouterService
@@ -33,7 +35,11 @@ HEALTH_S = 1.0
 TTFT_SLA_S = 1.0
 RLD_CAPACITY = 2
 BUSY_NEW = 1000
-LONG = 300  # output tokens: 9 s of RLD at 30 ms each, far longer than any transfer here
+# Output tokens: RLD decoding them takes seconds (x the policy's margin 1.5, longer than any
+# transfer here: 2 s for a fresh 1000-token prompt) at >= 5 ms a token, 3x this CPU's speed.
+LONG = 300
+HOLD = 8
+BLOCK_SLACK = 64  # the router mirrors MD's cache in whole blocks
 
 pytestmark = needs_root
 
@@ -47,9 +53,10 @@ class Setup:
     conversation: list[int]  # the prompt of the conversation's next turn
     unguarded: RouterService  # the same servers, --no-relay-guard
 
-    def ask(self, ids: list[int], max_new: int) -> dict:
+    def ask(self, ids: list[int], max_new: int, **extra: object) -> dict:
         sampling = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
-        return generate(self.router.url, {"input_ids": ids, "sampling_params": sampling}, 300)
+        body = {"input_ids": ids, "sampling_params": sampling, **extra}
+        return generate(self.router.url, body, 300)
 
     def reference(self, ids: list[int], max_new: int) -> list[int]:
         sampling = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
@@ -62,13 +69,14 @@ class Setup:
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+def setup(
+    tiny_model: Path, colocated: SGLangServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Setup]:
     tb = Testbed("pddroute", LinkParams(4.0, 20.0), net="10.227")
     tb.down()
     tb.up()
     run_dir = tmp_path_factory.mktemp("router_policy")
     a, b = tb.placement("a"), tb.placement("b")
-    colocated = SGLangServer("colocated", tiny_model, free_port(), run_dir)
     prefill = SGLangServer(
         "prefill",
         tiny_model,
@@ -96,15 +104,15 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     ]  # fmt: skip
     router = RouterService(
         "router", free_port(), run_dir, [prefill], [relay], mains, a,
-        extra_args=["--health-interval", str(HEALTH_S), "--relay-pace-ms", "30",
-                    "--ttft-sla", str(TTFT_SLA_S)],
+        extra_args=["--health-interval", str(HEALTH_S), "--ttft-sla", str(TTFT_SLA_S),
+                    "--test-controls"],
     )  # fmt: skip
     unguarded = RouterService(
         "unguarded", free_port(), run_dir, [prefill], [relay], mains, a,
         extra_args=["--health-interval", str(HEALTH_S), "--ttft-sla", str(TTFT_SLA_S),
                     "--no-relay-guard"],
     )  # fmt: skip
-    servers = [colocated, prefill, relay, *mains]
+    servers = [prefill, relay, *mains]
     try:
         for s in servers:
             s.start()
@@ -114,6 +122,7 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         unguarded.start()
         router.wait_ready()
         unguarded.wait_ready()
+        colocated.wait_ready()
         yield Setup(tb, colocated, mains, router, [], unguarded)
     finally:
         groups = [s.process.pgid for s in [*servers, router, unguarded] if s.process is not None]
@@ -121,13 +130,16 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         tb.down()
 
 
-def check(setup: Setup, ids: list[int], max_new: int) -> dict:
-    return check_at(setup, setup.router, ids, max_new)
+def check(setup: Setup, ids: list[int], max_new: int, **extra: object) -> dict:
+    return check_at(setup, setup.router, ids, max_new, **extra)
 
 
-def check_at(setup: Setup, router: RouterService, ids: list[int], max_new: int) -> dict:
+def check_at(
+    setup: Setup, router: RouterService, ids: list[int], max_new: int, **extra: object
+) -> dict:
     sampling = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
-    got = generate(router.url, {"input_ids": ids, "sampling_params": sampling}, 300)
+    body = {"input_ids": ids, "sampling_params": sampling, **extra}
+    got = generate(router.url, body, 300)
     assert got["output_ids"] == setup.reference(ids, max_new)
     return got["meta_info"]["pdd"]
 
@@ -135,8 +147,9 @@ def check_at(setup: Setup, router: RouterService, ids: list[int], max_new: int) 
 def test_fresh_prompts_with_long_answers_are_relayed_then_handed_off(setup: Setup) -> None:
     # Nothing measured yet: the safe path. The first transfer teaches the router the WAN.
     ids = random_ids(1000, seed=1)
-    meta = check(setup, ids, LONG)
+    meta = check(setup, ids, LONG, pdd_hold_relay=HOLD)
     assert meta["path"] == "P->RLD->MD" and meta["handoff_mode"] is not None, meta
+    assert meta["relay_tokens"] == HOLD and meta["main_tokens"] == LONG - HOLD, meta
     # Measured now: a fresh 1000-token prompt needs ~2 s on this WAN, RLD 9 s for its answer.
     meta = check(setup, random_ids(1000, seed=2), LONG)
     assert meta["path"] == "P->RLD->MD" and meta["path_reason"].startswith("low hit"), meta
@@ -146,10 +159,14 @@ def test_fresh_prompts_with_long_answers_are_relayed_then_handed_off(setup: Setu
 
 def test_a_conversations_next_turn_goes_straight_to_the_md_that_holds_it(setup: Setup) -> None:
     ids = random_ids(600, seed=3)
-    first = setup.ask(ids, LONG)  # a long answer: handed off, so MD keeps prompt and answer
+    # A long answer, handed off: MD keeps the prompt and the answer.
+    before = mirrored_tokens(setup.router.url)
+    first = setup.ask(ids, LONG, pdd_hold_relay=HOLD)
     first_meta = first["meta_info"]["pdd"]
-    assert first_meta["path"] == "P->RLD->MD", first_meta
-    time.sleep(0.5)  # MD's cache sync reaches the router
+    assert first_meta["path"] == "P->RLD->MD" and first_meta["main_tokens"] > 0, first_meta
+    # The router learns what MD holds from MD's cache sync: wait until it mirrors the turn.
+    holds = len(ids) + len(first["output_ids"]) - 1  # the last token's KV is never computed
+    wait_mirrored(setup.router.url, before + holds - BLOCK_SLACK)
     turn = ids + first["output_ids"] + random_ids(20, seed=4)
     meta = check(setup, turn, 24)
     assert meta["path"] == "P->MD" and meta["path_reason"].startswith("meets the SLA"), meta

@@ -64,13 +64,14 @@ class Setup:
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+def setup(
+    tiny_model: Path, colocated: SGLangServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Setup]:
     tb = Testbed("pddtp", LinkParams(100.0, 20.0), net="10.237")
     tb.down()
     tb.up()
     run_dir = tmp_path_factory.mktemp("tp")
     a, b = tb.placement("a"), tb.placement("b")
-    colocated = SGLangServer("colocated", tiny_model, free_port(), run_dir, a)
     # Nothing TP-specific beyond --tp-size: the plugin sets what a CPU needs.
     pdd = PDDDeployment.create(
         tiny_model, run_dir, a, b, server_args=TP2, path="pdd",
@@ -93,7 +94,6 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                           [main_tp1], a, path="pdd",
                           extra_args=["--handoff-mode", "extend", *TEST_CONTROLS])  # fmt: skip
     routers = [catchup, mixed]
-    colocated.start()
     main_tp1.start()
     try:
         times = pdd.up()
@@ -105,7 +105,7 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         print(f"start-up seconds: {times}")
         yield Setup(tb, colocated, pdd, catchup, main_tp1, mixed)
     finally:
-        parts = [colocated, main_tp1, *routers]
+        parts = [main_tp1, *routers]
         groups = [*pdd.pgids().values(), *(p.process.pgid for p in parts if p.process)]
         stop_groups(groups)
         tb.down()

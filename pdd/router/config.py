@@ -94,10 +94,6 @@ class RouterConfig:
     # Feed MD only once the client has this many tokens from RLD: emulates a slow WAN transfer
     # without a testbed, so tests can force Catch-Up deterministically; 0 in production.
     md_feed_after_tokens: int = 0
-    # Pass RLD's tokens on no faster than one per this many seconds: emulates a slower RLD, so
-    # RLD's speed as the router measures it (auto's path choice) is the same on every machine
-    # in the policy tests; 0 in production.
-    relay_pace_s: float = 0.0
     # Honour the requests' test controls (pdd_hold_relay: pdd.router.hold); off in production.
     test_controls: bool = False
     # How often the router asks each MD what its radix cache holds (also a heartbeat).
@@ -146,8 +142,8 @@ class RouterConfig:
             raise ValueError("--wan-mbit must be > 0")
         if self.cache_sync_interval_s <= 0:
             raise ValueError("--cache-sync-interval must be > 0")
-        if self.md_feed_after_tokens < 0 or self.relay_pace_s < 0:
-            raise ValueError("--md-feed-after-tokens and --relay-pace-ms must be >= 0")
+        if self.md_feed_after_tokens < 0:
+            raise ValueError("--md-feed-after-tokens must be >= 0")
 
     @property
     def advertise_host(self) -> str:
@@ -335,12 +331,6 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="testing: feed MD only after RLD has streamed this many tokens (emulates a slow WAN)",
     )
     add(
-        "--relay-pace-ms",
-        type=float,
-        default=0.0,
-        help="testing: pass RLD's tokens on no faster than one per this many ms (a slower RLD)",
-    )
-    add(
         "--test-controls",
         action="store_true",
         help="for tests only: honour the requests' test controls (pdd_hold_relay: k, the "
@@ -385,7 +375,6 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         served_model_name=args.served_model_name,
         max_prompt_tokens=args.max_prompt_tokens,
         md_feed_after_tokens=args.md_feed_after_tokens,
-        relay_pace_s=args.relay_pace_ms / 1000.0,
         test_controls=args.test_controls,
         cache_sync_interval_s=args.cache_sync_interval,
         path_policy=PathPolicy(

@@ -35,14 +35,6 @@ from pdd.router.upstream import UpstreamError, abort_request, post_generate, str
 logger = logging.getLogger(__name__)
 
 
-async def pace(chunk: dict[str, Any], start: float, pace_s: float) -> None:
-    """Hold a relay chunk until its tokens could have come from an RLD making one per pace_s."""
-    meta = chunk.get("meta_info")
-    tokens = meta.get("completion_tokens") if isinstance(meta, dict) else None
-    if isinstance(tokens, int) and tokens > 0:
-        await asyncio.sleep(max(0.0, start + tokens * pace_s - time.monotonic()))
-
-
 class RequestBase(ABC):
     def __init__(
         self,
@@ -173,10 +165,7 @@ class RequestBase(ABC):
         async def run() -> None:
             try:
                 gen = stream_generate(self.ctx.session, url, body, self.cfg.timeouts, role)
-                start = time.monotonic()
                 async for chunk in gen:
-                    if source == "relay" and self.cfg.relay_pace_s > 0:
-                        await pace(chunk, start, self.cfg.relay_pace_s)
                     self.events.put_nowait(StreamChunk(source, chunk, rid))
                 self.events.put_nowait(StreamEnd(source, None, rid))
             except UpstreamError as err:
