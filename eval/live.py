@@ -3,7 +3,7 @@
     python -m pdd.eval live [--model models/wide] [--requests 40] [--rate 0.15 | --rates R1,R2,..
                             | --concurrency N] [--trace FILE] [--scale 0.015] [--max-new 512]
                             [--pool TOKENS] [--rate-mbit 100] [--delay-ms 20] [--ttft-sla 3]
-                            [--route-ttft 1] [--tpot-sla 0.5] [--dtype float32] [--out runs/live]
+                            [--route-ttft 0.6] [--tpot-sla 0.5] [--dtype float32] [--out runs/live]
 
 Needs root. Brings up its own testbed (name `pddlive`): P and RelayDecode (RLD) in datacenter
 A, MainDecode (MD) in B, the PDD router in A, the emulated WAN between them. The same requests
@@ -253,10 +253,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--route-ttft",
         type=float,
-        default=1.0,
+        default=0.6,
         help="the first-token target PDD's router routes by (its --ttft-sla): P->MD when met, "
         "RLD hides the WAN otherwise. Tighter than the SLA (default %(default)s s, about "
-        "same-DC PD's tail here) so that PDD's TTFT tail stays near same-DC PD's",
+        "same-DC PD's TTFT P99 here) so that PDD's TTFT tail stays near same-DC PD's",
     )
     parser.add_argument("--tpot-sla", type=float, default=0.5)
     parser.add_argument("--deployments", default=",".join(DEFAULT_DEPLOYMENTS),
