@@ -54,23 +54,35 @@ def test_role_must_match_disaggregation_mode(
     assert f"--pdd-role {role} needs --disaggregation-mode {needed}" in out.stderr
 
 
-# Started before anything else in every process of the server: removes a method pdd hooks, as
-# an SGLang upgrade that renamed it would.
+# Each is started before anything else in every process of the server (a sitecustomize), as an
+# SGLang upgrade would leave a function pdd hooks: removed, or with other parameters.
 REMOVE_ON_IDLE = """
 from sglang.srt.managers.scheduler import Scheduler
 for klass in Scheduler.__mro__:
     if "on_idle" in vars(klass):
         delattr(klass, "on_idle")
 """
+CHANGE_ON_IDLE = """
+from sglang.srt.managers.scheduler import Scheduler
+def on_idle(self, now=None):
+    pass
+Scheduler.on_idle = on_idle
+"""
+ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 
 
-def test_a_hook_target_sglang_lacks_stops_the_server_naming_it(
-    tiny_model: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("change", "role", "named"),
+    [(REMOVE_ON_IDLE, ["--pdd-role", "relay", "--disaggregation-mode", "decode"],
+      f"{ON_IDLE}: not found"),
+     (CHANGE_ON_IDLE, [], f"{ON_IDLE}: expected (self), found (self, now)")],
+    ids=["removed-with-a-role", "changed-on-a-plain-server"],
+)  # fmt: skip
+def test_a_hook_target_that_changed_stops_the_server_naming_it(
+    tiny_model: Path, tmp_path: Path, change: str, role: list[str], named: str
 ) -> None:
-    (tmp_path / "sitecustomize.py").write_text(REMOVE_ON_IDLE)
-    args = ["--model-path", str(tiny_model), "--pdd-role", "relay",
-            "--disaggregation-mode", "decode"]  # fmt: skip
-    out = launch(args, env={"PYTHONPATH": str(tmp_path)})
+    (tmp_path / "sitecustomize.py").write_text(change)
+    out = launch(["--model-path", str(tiny_model), *role], env={"PYTHONPATH": str(tmp_path)})
     assert out.returncode != 0
-    assert "hook(s) not applied" in out.stderr, out.stderr[-2000:]
-    assert "sglang.srt.managers.scheduler.Scheduler.on_idle" in out.stderr, out.stderr[-2000:]
+    assert "pdd's SGLang hooks do not fit" in out.stderr, out.stderr[-2000:]
+    assert named in out.stderr, out.stderr[-2000:]

@@ -52,5 +52,6 @@ def _around_get_kv_class(original: Callable[..., Any], *args: Any, **kwargs: Any
 
 
 HOOKS = (
-    Hook("sglang.srt.disaggregation.utils.get_kv_class", _around_get_kv_class, HookType.AROUND),
-)
+    Hook("sglang.srt.disaggregation.utils.get_kv_class", _around_get_kv_class, HookType.AROUND,
+         "(transfer_backend, class_type)"),
+)  # fmt: skip

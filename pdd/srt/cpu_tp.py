@@ -69,5 +69,8 @@ def _around_init_model_parallel_group(original: Callable[..., Any], *args: Any, 
 
 HOOKS = (
     Hook("sglang.srt.distributed.parallel_state.init_model_parallel_group",
-         _around_init_model_parallel_group, HookType.AROUND),
+         _around_init_model_parallel_group, HookType.AROUND,
+         "(group_ranks, local_rank, backend, use_pynccl, use_custom_allreduce, "
+         "use_message_queue_broadcaster, group_name, use_mscclpp, use_torch_symm_mem_allreduce, "
+         "recovered_rank, rank_offset, max_world_size)"),
 )  # fmt: skip

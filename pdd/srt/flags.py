@@ -259,8 +259,9 @@ def _after_scheduler_init(result: None, scheduler: Any, *args: Any, **kwargs: An
 
 HOOKS = (
     Hook("sglang.srt.managers.scheduler.Scheduler.__init__", _after_scheduler_init,
-         HookType.AFTER),
-    Hook("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER),
+         HookType.AFTER, "(self, server_args, port_args)"),
+    Hook("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER,
+         "(parser)"),
     Hook("sglang.srt.server_args.ServerArgs.from_cli_args", _before_from_cli_args,
-         HookType.BEFORE),
+         HookType.BEFORE, "(cls, args)"),
 )  # fmt: skip

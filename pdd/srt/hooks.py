@@ -1,21 +1,26 @@
-"""The SGLang hooks pdd applies, and the start-up check that every one of them took effect.
+"""The SGLang hooks pdd applies, and the start-up checks that they fit the installed SGLang.
 
-SGLang's hook registry only logs a target it cannot resolve (renamed in an upgrade, say), and a
-server would then run without part of pdd. So each module of pdd.srt lists its hooks here, and a
-server with a PDD role stops at start-up, naming the hook, if one was not applied or if the
-installed SGLang is not the version pdd is pinned to.
+A hook reads its target's arguments by position or name, so an SGLang upgrade that changes a
+target's parameters would make it misread them, and one that renames a target would only be
+logged by SGLang's registry, leaving the server without part of pdd. So each Hook carries its
+target's parameters as the pinned SGLang has them, and `register` (run by the plugin in every
+SGLang process, plain servers too) refuses to install any hook, naming the function, if a target
+is missing or its parameters differ. A server with a PDD role also stops if a hook was not
+applied or if the installed SGLang is not the pinned version.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
+import pkgutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-SGLANG_VERSION = "0.5.23"  # pinned in requirements/ and launch/setup.sh
+from pdd.srt import SGLANG_VERSION
 
 
 @dataclass(frozen=True)
@@ -23,13 +28,65 @@ class Hook:
     target: str  # dotted path of the SGLang function or method
     fn: Callable[..., Any]
     kind: HookType
+    # The target's parameters in the pinned SGLang, as `parameters` writes them: "(self, batch)".
+    signature: str
 
 
 _registered: list[Hook] = []
 
 
-def register(hooks: Iterable[Hook]) -> None:
+def original(target: str) -> Callable[..., Any] | None:
+    """The function `target` names, unpatched, or None if this SGLang has no such function."""
+    owner_path, _, name = target.rpartition(".")
+    try:
+        owner = pkgutil.resolve_name(owner_path)
+        # Static lookup, as the registry does: a classmethod's function keeps its `cls`.
+        found = inspect.getattr_static(owner, name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    if isinstance(found, classmethod | staticmethod):
+        found = found.__func__
+    return found if callable(found) else None
+
+
+def parameters(fn: Callable[..., Any]) -> str:
+    """`fn`'s parameter names and kinds ("(self, a, *args, b, **kw)"), without annotations or
+    defaults: what a hook depends on, and stable across how annotations are written."""
+    try:
+        sig = inspect.signature(fn)  # follows __wrapped__: another plugin's wrapper is looked past
+    except (TypeError, ValueError):
+        return "(?)"
+    empty = inspect.Parameter.empty
+    bare = [p.replace(annotation=empty, default=empty) for p in sig.parameters.values()]
+    return str(sig.replace(parameters=bare, return_annotation=inspect.Signature.empty))
+
+
+def signature_problems(hooks: Iterable[Hook]) -> list[str]:
+    """One line per hook whose target this SGLang lacks or has with other parameters."""
+    problems: list[str] = []
     for hook in hooks:
+        fn = original(hook.target)
+        if fn is None:
+            problems.append(f"{hook.target}: not found")
+            continue
+        found = parameters(fn)
+        if found != hook.signature:
+            problems.append(f"{hook.target}: expected {hook.signature}, found {found}")
+    return problems
+
+
+def register(hooks: Iterable[Hook]) -> None:
+    """Checks every hook's target, then registers them all, or none: a hook on a changed
+    function would misread its arguments, so the process stops before serving anything."""
+    every = list(hooks)
+    problems = signature_problems(every)
+    if problems:
+        version = importlib.metadata.version("sglang")
+        raise SystemExit(
+            f"error: pdd's SGLang hooks do not fit sglang {version} (pdd is pinned to "
+            f"{SGLANG_VERSION}): {'; '.join(problems)}"
+        )
+    for hook in every:
         HookRegistry.register(hook.target, hook.fn, hook.kind)
         _registered.append(hook)
 

@@ -82,7 +82,8 @@ def _after_update_status(result: None, manager: Any, *args: Any, **kwargs: Any) 
 
 
 HOOKS = (
-    Hook("sglang.srt.managers.scheduler.Scheduler.on_idle", _after_on_idle, HookType.AFTER),
+    Hook("sglang.srt.managers.scheduler.Scheduler.on_idle", _after_on_idle, HookType.AFTER,
+         "(self)"),
     Hook("sglang.srt.disaggregation.common.conn.CommonKVManager.update_status",
-         _after_update_status, HookType.AFTER),
+         _after_update_status, HookType.AFTER, "(self, bootstrap_room, status)"),
 )  # fmt: skip

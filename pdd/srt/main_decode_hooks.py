@@ -114,16 +114,20 @@ def _after_abort_request(result: None, scheduler: Any, recv_req: Any) -> None:
 
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
 HOOKS = (
-    Hook(f"{_SCHED}.__init__", _after_init, HookType.AFTER),
-    Hook(f"{_SCHED}._poll_timeout_aborts", _after_poll_timeout_aborts, HookType.AFTER),
+    Hook(f"{_SCHED}.__init__", _after_init, HookType.AFTER, "(self, server_args, port_args)"),
+    Hook(f"{_SCHED}._poll_timeout_aborts", _after_poll_timeout_aborts, HookType.AFTER,
+         "(self)"),
     Hook("sglang.srt.disaggregation.decode.DecodeTransferQueue.pop_transferred",
-         _after_pop_transferred, HookType.AFTER),
+         _after_pop_transferred, HookType.AFTER, "(self, rids_to_check)"),
     Hook(f"{_SCHED}.get_next_disagg_decode_batch_to_run", _around_next_decode_batch,
-         HookType.AROUND),
-    Hook(f"{_SCHED}.run_batch", _around_run_batch, HookType.AROUND),
-    Hook(f"{_SCHED}.process_batch_result", _around_process_batch_result, HookType.AROUND),
-    Hook(f"{_SCHED}.is_fully_idle", _after_is_fully_idle, HookType.AFTER),
-    Hook(f"{_SCHED}.abort_request", _after_abort_request, HookType.AFTER),
+         HookType.AROUND, "(self, running_batch)"),
+    Hook(f"{_SCHED}.run_batch", _around_run_batch, HookType.AROUND,
+         "(self, batch, pp_proxy_tensors)"),
+    Hook(f"{_SCHED}.process_batch_result", _around_process_batch_result, HookType.AROUND,
+         "(self, batch, result)"),
+    Hook(f"{_SCHED}.is_fully_idle", _after_is_fully_idle, HookType.AFTER,
+         "(self, for_health_check, ignore_waiting)"),
+    Hook(f"{_SCHED}.abort_request", _after_abort_request, HookType.AFTER, "(self, recv_req)"),
     Hook("sglang.srt.managers.scheduler_components.load_inquirer.SchedulerLoadInquirer."
-         "get_loads", _after_get_loads, HookType.AFTER),
+         "get_loads", _after_get_loads, HookType.AFTER, "(self)"),
 )  # fmt: skip

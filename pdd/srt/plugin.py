@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-def load() -> None:
+if TYPE_CHECKING:
+    from pdd.srt.hooks import Hook
+
+
+def all_hooks() -> list[Hook]:
+    """Every hook pdd applies (imported here, not at module level: SGLang loads the plugin early
+    in each process, and the hook modules import SGLang's)."""
     from pdd.srt import (
         cpu_disagg,
         cpu_tp,
         flags,
-        hooks,
         idle,
         main_decode_hooks,
         request_guard,
         wan_transfer,
     )
 
-    hooks.register(
-        [*flags.HOOKS, *cpu_disagg.HOOKS, *cpu_tp.HOOKS, *idle.HOOKS, *main_decode_hooks.HOOKS,
-         *request_guard.HOOKS, *wan_transfer.HOOKS]
-    )  # fmt: skip
+    return [*flags.HOOKS, *cpu_disagg.HOOKS, *cpu_tp.HOOKS, *idle.HOOKS, *main_decode_hooks.HOOKS,
+            *request_guard.HOOKS, *wan_transfer.HOOKS]  # fmt: skip
+
+
+def load() -> None:
+    from pdd.srt import hooks
+
+    # Stops the process (SystemExit passes SGLang's plugin loader) if a target's parameters
+    # differ from the pinned SGLang's, before any hook is installed.
+    hooks.register(all_hooks())

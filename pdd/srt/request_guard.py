@@ -41,4 +41,4 @@ def _before_validate_one_request(
         raise ValueError(problem)
 
 
-HOOKS = (Hook(_TARGET, _before_validate_one_request, HookType.BEFORE),)
+HOOKS = (Hook(_TARGET, _before_validate_one_request, HookType.BEFORE, "(self, obj, input_ids)"),)

@@ -92,5 +92,5 @@ def _around_batch_transfer_sync(
 HOOKS = (
     Hook("sglang.srt.distributed.device_communicators.mooncake_transfer_engine."
          "MooncakeTransferEngine.batch_transfer_sync", _around_batch_transfer_sync,
-         HookType.AROUND),
+         HookType.AROUND, "(self, session_id, buffers, peer_buffer_addresses, lengths)"),
 )  # fmt: skip
