@@ -108,6 +108,11 @@ def test_valid_requests_pass_unchanged() -> None:
     # Null is SGLang's default for every field; limits unknown: nothing to check them against.
     assert parse_generate({"text": "x", "stream": None, "sampling_params": None}).stream is False
     assert parse_generate({"input_ids": [VOCAB * 9], "top_logprobs_num": 20}).body
+    # Unsupported fields at SGLang's default ask for nothing (SGLang's bench_serving sends
+    # them): dropped. Any other value of them is refused (the table below).
+    client = {"input_ids": PROMPT, "lora_path": None, "return_routed_experts": False,
+              "log_metrics": True}  # fmt: skip
+    assert parse_generate(client).body == {"input_ids": PROMPT}
     plain = parse_generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": None}})
     assert plain.body == {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": None}}
 

@@ -317,7 +317,7 @@ def test_bad_requests_get_clear_4xx(deployment: Deployment) -> None:
         (b'{"sampling_params": {}}', "exactly one of text or input_ids"),
         (b'{"text": "hi", "pdd_path": "sideways"}', "pdd_path"),
         (b'{"text": ["a", "b"]}', "batch"),
-        (b'{"text": "hi", "bootstrap_room": 3}', "router sets"),
+        (b'{"text": "hi", "bootstrap_room": 3}', "set by the router"),
     ]
     for data, reason in cases:
         status, body = http_error(url, data)

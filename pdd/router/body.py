@@ -126,18 +126,34 @@ ALLOWED = frozenset(("text", "input_ids", "sampling_params", *_BOOLS, "top_logpr
                      "logprob_start_len", "token_ids_logprob", PATH_FIELD, HOLD_FIELD))  # fmt: skip
 
 
+# The only GenerateReqInput fields whose default is true (every other one's is null or false).
+DEFAULT_TRUE = ("log_metrics",)
+
+
 def parse_generate(body: object, limits: Limits = NO_LIMITS) -> GenerateRequest:
     if not isinstance(body, dict):
         raise BadRequest("the body", "must be a JSON object")
-    for name in body:
+    unset = []
+    for name, value in body.items():
         if name in RESERVED:
             raise BadRequest(name, "is set by the router: leave it out")
-        if name not in ALLOWED:
-            raise BadRequest(name, UNSUPPORTED.get(name, "is not supported by the PDD router"))
+        if name in ALLOWED:
+            continue
+        if value is None or value is (name in DEFAULT_TRUE):
+            # SGLang's default, so it asks for nothing: SGLang's own clients (bench_serving)
+            # send e.g. "lora_path": null and "return_routed_experts": false with every request.
+            # Dropped, not forwarded.
+            unset.append(name)
+            continue
+        raise BadRequest(name, UNSUPPORTED.get(name, "is not supported by the PDD router"))
+    if unset:
+        body = {k: v for k, v in body.items() if k not in unset}
     prompt_tokens = _prompt(body, limits)
     for name in _BOOLS:
-        if body.get(name) is not None and not isinstance(body[name], bool):
-            raise BadRequest(name, f"must be true or false, got {show(body[name])}")
+        # SGLang takes null for each but return_text_in_logprobs (a 400 from the tier).
+        value, nullable = body.get(name), name != "return_text_in_logprobs"
+        if name in body and not isinstance(value, bool) and (value is not None or not nullable):
+            raise BadRequest(name, f"must be true or false, got {show(value)}")
     _logprobs(body, prompt_tokens, limits)
     if body.get("sampling_params") is not None:
         check_sampling(body["sampling_params"], Prompt(prompt_tokens, limits))
