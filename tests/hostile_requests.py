@@ -60,7 +60,7 @@ def refused_top(vocab: int, context: int) -> list[tuple[str, Any]]:
     cases: list[tuple[str, Any]] = [
         ("sampling_params", [1]), ("sampling_params", "x"), ("sampling_params", 5),
         ("stream", "yes"), ("stream", 1), ("return_logprob", "true"), ("return_logprob", 0),
-        ("return_text_in_logprobs", 1),
+        ("return_text_in_logprobs", 1), ("return_text_in_logprobs", None),
         ("top_logprobs_num", -1), ("top_logprobs_num", 21), ("top_logprobs_num", 200),
         ("top_logprobs_num", vocab + 1), ("top_logprobs_num", 10**9),
         ("top_logprobs_num", 2.5), ("top_logprobs_num", "5"), ("top_logprobs_num", True),
@@ -114,7 +114,7 @@ def refused_sampling(vocab: int, context: int) -> list[tuple[str, dict[str, Any]
         ("presence_penalty", 2.01), ("presence_penalty", -INF),
         ("repetition_penalty", 0), ("repetition_penalty", 2.5), ("repetition_penalty", -1),
         ("repetition_penalty", NAN),
-        ("n", 2), ("n", 0), ("n", 1.0), ("n", "1"), ("n", True),
+        ("n", 2), ("n", 0), ("n", 1.0), ("n", "1"), ("n", True), ("n", None),
         ("beam_width", 2), ("beam_width", 0), ("beam_width", True),
         ("json_schema", "{"), ("json_schema", "[1]"), ("json_schema", 5),
         ("json_schema", '"' + "x" * GRAMMAR_CHARS + '"'),
@@ -137,6 +137,10 @@ def refused_sampling(vocab: int, context: int) -> list[tuple[str, dict[str, Any]
     ]  # fmt: skip
     out = [(name, {name: value}) for name, value in cases]
     out.append(("min_new_tokens", {"max_new_tokens": 5, "min_new_tokens": 6}))
+    # A stop id beyond the vocabulary, where the min_new_tokens penalty indexes by stop ids.
+    for ids in ([vocab + 5], [2**63 - 1]):
+        out.append(("stop_token_ids", {"stop_token_ids": ids, "min_new_tokens": 2,
+                                       "max_new_tokens": 4, "temperature": 1.0}))  # fmt: skip
     out.append(("regex", {"json_schema": "{}", "regex": "a"}))
     return [(f"sampling_params.{name}", {"input_ids": PROMPT, "sampling_params": params})
             for name, params in out]  # fmt: skip
@@ -151,7 +155,9 @@ def edges(vocab: int, context: int) -> list[tuple[str, dict[str, Any]]]:
     last = vocab - 1
     sampling: list[tuple[str, dict[str, Any]]] = [
         ("max_new_tokens 0", {"max_new_tokens": 0}),
-        ("max_new_tokens to the context", {"max_new_tokens": context - len(PROMPT)}),
+        # Allowed up to the context window; token 0 forced and a stop, so it ends at once.
+        ("max_new_tokens to the context", {"max_new_tokens": context - len(PROMPT),
+                                           "logit_bias": {"0": 100}, "stop_token_ids": [0]}),
         ("min_new_tokens = max", {"max_new_tokens": 6, "min_new_tokens": 6}),
         ("temperature 1e6", {"temperature": 1e6}), ("temperature 1e-9", {"temperature": 1e-9}),
         ("top_p 1e-9", {"top_p": 1e-9}), ("top_k 2^30", {"top_k": 2**30}),
@@ -177,8 +183,12 @@ def edges(vocab: int, context: int) -> list[tuple[str, dict[str, Any]]]:
         ("huge counted regex", {"regex": "(a{1000}){1000}"}),
         ("ignore_eos etc.", {"ignore_eos": True, "skip_special_tokens": False,
                              "spaces_between_special_tokens": False, "no_stop_trim": True}),
-        ("nulls", {k: None for k in ("temperature", "top_p", "top_k", "min_p", "n",
-                                     "stream_interval", "custom_params", "logit_bias")}),
+        ("nulls", {k: None for k in (
+            "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+            "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
+            "beam_width", "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos",
+            "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+            "stream_interval", "logit_bias", "sampling_seed", "custom_params", "watermark")}),
     ]  # fmt: skip
     out: list[tuple[str, dict[str, Any]]] = [
         (what, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6, **params}})
@@ -188,6 +198,9 @@ def edges(vocab: int, context: int) -> list[tuple[str, dict[str, Any]]]:
                                 "sampling_params": {"max_new_tokens": 4}}  # fmt: skip
     out += [
         ("output logprobs", logprobs),
+        ("top-level nulls", {"input_ids": PROMPT, **{k: None for k in (
+            "sampling_params", "stream", "return_logprob", "top_logprobs_num",
+            "logprob_start_len", "token_ids_logprob")}}),
         ("20 top logprobs", {**logprobs, "top_logprobs_num": 20}),
         ("input logprobs from 0", {**logprobs, "logprob_start_len": 0, "top_logprobs_num": 3}),
         ("input logprobs from the end", {**logprobs, "logprob_start_len": len(PROMPT)}),

@@ -7,6 +7,7 @@ accept too. The same checks run behind the OpenAI routes."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from pdd.router.sampling_checks import ALLOWED as SAMPLING_ALLOWED
 from pdd.router.sampling_checks import REFUSED as SAMPLING_REFUSED
 from pdd.router.sampling_checks import regex_problem
 from pdd.router.tokenizer import load_tokenizer, model_limits
-from pdd.srt.request_guard import token_ids_problem
+from pdd.srt.request_guard import generate_problem, logprobs_problem, token_ids_problem
 from tests.hostile_requests import (
     NAN,
     PROMPT,
@@ -152,6 +153,33 @@ def test_server_guard_names_the_bad_token() -> None:
     assert "input_ids[1] is 10, outside the vocabulary [0, 10)" == token_ids_problem([1, 10], 10)
     assert "input_ids[0] is -1" in (token_ids_problem([-1], 10) or "")
     assert "not a token id" in (token_ids_problem([True], 10) or "")
+
+
+def test_server_guard_refuses_logprob_fields_the_scheduler_dies_of() -> None:
+    assert logprobs_problem(True, 20, -1, 1024, disaggregated=True) is None
+    assert logprobs_problem(False, 10**9, -5, 1024, disaggregated=True) is None  # ignored
+    assert logprobs_problem(True, 1024, 0, 1024, disaggregated=False) is None
+    assert "[0, 128]" in (logprobs_problem(True, 200, -1, 1024, disaggregated=True) or "")
+    assert "[0, 1024]" in (logprobs_problem(True, 1025, -1, 1024, disaggregated=False) or "")
+    assert "top_logprobs_num is -1" in (logprobs_problem(True, -1, -1, 1024, True) or "")
+    assert "logprob_start_len is -2" in (logprobs_problem(True, 0, -2, 1024, True) or "")
+
+
+def test_server_guard_refuses_what_took_a_live_p_down() -> None:
+    def req(**fields: Any) -> SimpleNamespace:
+        base = {"return_logprob": False, "top_logprobs_num": 0, "logprob_start_len": -1,
+                "positional_embed_overrides": None, "sampling_params": {}}  # fmt: skip
+        return SimpleNamespace(**{**base, **fields})
+
+    assert generate_problem(req(sampling_params={"top_k": 2**30}), 1024, True) is None
+    top_k = generate_problem(req(sampling_params={"top_k": 2**31}), 1024, True)
+    assert top_k is not None and top_k.startswith("sampling_params.top_k")
+    embeds = req(positional_embed_overrides={"embeds": [], "positions": [5]})
+    assert "positional_embed_overrides" in (generate_problem(embeds, 1024, True) or "")
+    stop = req(sampling_params={"stop_token_ids": [3, 1029], "min_new_tokens": 2})
+    assert "stop_token_ids has 1029" in (generate_problem(stop, 1024, True) or "")
+    logprobs = req(return_logprob=True, top_logprobs_num=200)
+    assert "top_logprobs_num" in (generate_problem(logprobs, 1024, True) or "")
 
 
 # --- whatever the router lets through, SGLang's own checks accept -----------------------------

@@ -280,6 +280,9 @@ def check_sampling(params: object, prompt: Prompt) -> None:
             continue
         if name not in ALLOWED:
             raise BadRequest(_field(name), "is not supported by the PDD router")
+        if value is None and name == "n":
+            # SGLang reads n before its defaults apply: null fails there (a 500).
+            raise BadRequest(_field(name), "must be 1, not null")
         if value is None or name in _WITH_LIMITS:
             continue  # null is SGLang's default; the limited ones are checked below
         CHECKS[name](name, value)

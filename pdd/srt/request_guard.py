@@ -5,6 +5,9 @@ A token id outside [0, vocab) reaches the embedding and raises IndexError in the
 which takes the whole server down: every later request fails until it is restarted by hand.
 An empty prompt has nothing to prefill. Both come only from `input_ids` (text tokenizes into
 the vocabulary), so a server reached directly, not only through the router, refuses them.
+Likewise the values SGLang type-checks but does not range-check and whose exception in the
+scheduler takes the server down (generate_problem). The router refuses all of these itself
+(pdd.router.body); this guard is for what reaches a server without it.
 """
 
 from __future__ import annotations
@@ -32,11 +35,62 @@ def token_ids_problem(input_ids: object, vocab_size: int) -> str | None:
     return None
 
 
+# Top logprobs a PD prefill can hand its decoder (SGLang's metadata buffers): more raises in
+# P's scheduler after the prefill.
+PD_MAX_TOP_LOGPROBS = 128
+TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary"; past 2^31 its int32 top-k tensor overflows
+
+
+def logprobs_problem(
+    return_logprob: object, top: object, start: object, vocab_size: int, disaggregated: bool
+) -> str | None:
+    """Why a request's logprob fields would crash the scheduler, or None. SGLang checks their
+    types only: a negative or huge top_logprobs_num reaches torch.topk, a start below -1 the
+    prefill's slicing, and over 128 top logprobs P's transfer buffers."""
+    if return_logprob is not True:
+        return None  # SGLang ignores them then
+    most = min(vocab_size, PD_MAX_TOP_LOGPROBS) if disaggregated else vocab_size
+    if isinstance(top, int) and not 0 <= top <= most:
+        return f"top_logprobs_num is {top}, outside [0, {most}]"
+    if isinstance(start, int) and start < -1:
+        return f"logprob_start_len is {start}: give -1 (output only) or a prompt position"
+    return None
+
+
+def generate_problem(obj: Any, vocab_size: int, disaggregated: bool) -> str | None:
+    """Why the scheduler would die of this generate request (its ids checked apart), or None.
+    The first three each took a live P down in the fuzz (tests/test_hostile_input.py); the
+    logprob bounds are where SGLang's own code raises (logprobs_problem)."""
+    # Typed Any for SGLang's in-process callers (embedding tensors): from HTTP it is plain JSON,
+    # which the scheduler calls .reconstruct() on.
+    if getattr(obj, "positional_embed_overrides", None) is not None:
+        return "positional_embed_overrides cannot be given over HTTP"
+    params = getattr(obj, "sampling_params", None)
+    params = params if isinstance(params, dict) else {}
+    top_k = params.get("top_k")
+    if isinstance(top_k, int) and top_k > TOP_K_ALL:
+        return f"sampling_params.top_k is {top_k}, above {TOP_K_ALL} (the whole vocabulary)"
+    # The min_new_tokens penalty scatters into a vocabulary-wide row at each stop id.
+    stop_ids = params.get("stop_token_ids")
+    for t in stop_ids if isinstance(stop_ids, list) else ():
+        if isinstance(t, int) and not 0 <= t < vocab_size:
+            outside = f"outside the vocabulary [0, {vocab_size})"
+            return f"sampling_params.stop_token_ids has {t}, {outside}"
+    return logprobs_problem(getattr(obj, "return_logprob", None),
+                            getattr(obj, "top_logprobs_num", None),
+                            getattr(obj, "logprob_start_len", None), vocab_size,
+                            disaggregated)  # fmt: skip
+
+
 def _before_validate_one_request(
     self: Any, obj: Any, input_ids: Any, *args: Any, **kwargs: Any
 ) -> None:
     # Embedding requests (no generation) go through here too; their ids reach the same table.
-    problem = token_ids_problem(input_ids, self.model_config.vocab_size)
+    vocab = self.model_config.vocab_size
+    problem = token_ids_problem(input_ids, vocab)
+    if problem is None and hasattr(obj, "top_logprobs_num"):  # a generate request
+        disaggregated = getattr(self.disaggregation_mode, "value", "null") != "null"
+        problem = generate_problem(obj, vocab, disaggregated)
     if problem is not None:
         raise ValueError(problem)
 
