@@ -314,7 +314,7 @@ def test_bad_requests_get_clear_4xx(deployment: Deployment) -> None:
     url = f"{deployment.router.url}/generate"
     cases = [
         (b"{not json", "malformed JSON"),
-        (b'{"sampling_params": {}}', "exactly one of text or input_ids"),
+        (b'{"sampling_params": {}}', "give exactly one of them"),
         (b'{"text": "hi", "pdd_path": "sideways"}', "pdd_path"),
         (b'{"text": ["a", "b"]}', "batch"),
         (b'{"text": "hi", "bootstrap_room": 3}', "set by the router"),
