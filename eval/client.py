@@ -6,7 +6,7 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -72,23 +72,22 @@ def mirrored_tokens(router_url: str) -> int:
 def wait_mirrored(router_url: str, at_least: int, timeout_s: float = 30.0) -> int:
     """Waits until the router mirrors `at_least` tokens of MD's KV (MD's cache sync has reached
     it) and returns what it mirrors; TimeoutError after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = mirrored_tokens(router_url)
-        if got >= at_least:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the router mirrors {got} tokens of MD's KV after "
-                               f"{timeout_s:g}s, not the {at_least} expected")  # fmt: skip
-        time.sleep(0.05)
+    return _wait_mirrors(router_url, lambda got: got >= at_least, timeout_s,
+                         f"not the {at_least} expected")  # fmt: skip
 
 
 def router_sees_flush(router_url: str, timeout_s: float = 10.0) -> None:
     """Waits until the router mirrors none of MD's KV after a flush (MD's next cache sync): a
     request sent before would be planned on KV that MD no longer holds."""
+    _wait_mirrors(router_url, lambda got: got == 0, timeout_s, "after the flush")
+
+
+def _wait_mirrors(router_url: str, done: Callable[[int], bool], timeout_s: float,
+                  expected: str) -> int:  # fmt: skip
     deadline = time.monotonic() + timeout_s
-    while (got := mirrored_tokens(router_url)) > 0:
+    while not done(got := mirrored_tokens(router_url)):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the router still mirrors {got} tokens of MD's KV "
-                               f"{timeout_s:g}s after the flush")  # fmt: skip
+            raise TimeoutError(f"the router mirrors {got} tokens of MD's KV after "
+                               f"{timeout_s:g}s, {expected}")  # fmt: skip
         time.sleep(0.05)
+    return got

@@ -156,13 +156,13 @@ def run_pass(dep: Deployment, url: str, pdd: PDDDeployment, tb: Testbed, pace: P
     return run, outputs
 
 
-def group_routers(deps: list[Deployment], pdd: PDDDeployment,
-                  route_ttft: float) -> dict[str, RouterService]:  # fmt: skip
-    """Each deployment's router on the group's servers: the deployment's own router for the
-    first; a second router beside it for one that routes differently (e.g. Catch-Up handoffs),
-    started and ready on return. Its estimates start fresh, as on a deployment of its own."""
+def group_routers(deps: list[Deployment], pdd: PDDDeployment, route_ttft: float,
+                  routers: dict[str, RouterService]) -> None:  # fmt: skip
+    """Fills `routers` with each deployment's router on the group's servers: the deployment's
+    own router for the first; a second router beside it for one that routes differently (e.g.
+    Catch-Up handoffs), started and ready on return. Its estimates start fresh, as on a
+    deployment of its own. Filled as they start, so the caller stops them even if one fails."""
     by_args = {deps[0].router_args(route_ttft): pdd.router}
-    routers = {}
     for dep in deps:
         argv = dep.router_args(route_ttft)
         if argv not in by_args:
@@ -170,11 +170,11 @@ def group_routers(deps: list[Deployment], pdd: PDDDeployment,
             name = "router-" + dep.name.lower().replace(" ", "-")
             extra = RouterService(name, free_port(), first.log_dir, first.prefill, first.relay,
                                   first.main, first.placement, extra_args=list(argv))  # fmt: skip
+            routers[dep.name] = extra
             extra.start()
             extra.wait_ready()
             by_args[argv] = extra
         routers[dep.name] = by_args[argv]
-    return routers
 
 
 def router_status(url: str) -> dict:
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{first.router_args(args.route_ttft)}",
                       flush=True)  # fmt: skip
                 pdd.up()
-                routers = group_routers(deps, pdd, args.route_ttft)
+                group_routers(deps, pdd, args.route_ttft, routers)
                 capacity[group] = served_capacity(pdd.url)
                 print(f"[{group}] requests each decoder runs at once: {capacity[group]}",
                       flush=True)  # fmt: skip
