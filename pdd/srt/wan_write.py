@@ -1,5 +1,16 @@
 """Writing KV with Mooncake over several TCP flows, without spinning (pdd.srt.wan_transfer has
-the why). Plain Mooncake calls: the benchmarks use the same code as the servers."""
+the why), and never returning while a byte of the write could still land. Plain Mooncake calls:
+the benchmarks use the same code as the servers.
+
+Why a write waits (docs/wan.md, "When a write fails"): once a write returned an error SGLang
+fails the request and frees its KV slots (P's at once, a decoder's after a timeout), and they
+go to other requests. Mooncake's TCP transport cannot cancel a piece, times out neither a piece
+waiting in its queue for a lane nor one whose bytes are on the wire, and refuses to free a batch
+still running; and a connection it closed after a failure keeps sending in the kernel. A piece
+left running would write into slots another request owns: wrong output, silently. So a write
+returns only once Mooncake reported every submitted piece finished or failed (its status call
+then frees the piece's batch), and after a failure only once no closed connection still holds
+bytes for the peer; if that does not happen within `watchdog_s`, the process stops."""
 
 from __future__ import annotations
 
@@ -8,8 +19,10 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Collection, Iterator, Sequence
+from typing import Any, NoReturn
+
+from pdd.srt import tcp_peers
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +32,13 @@ MIN_PIECE = 1 << 20
 MAX_PIECE = 1 << 30
 PENDING_PER_FLOW = 4  # submitted, unfinished pieces per lane: lanes never wait for work
 POLL_SLEEP_S = (0.0002, 0.01)  # the poll's sleep grows from the first to the second
-ADMISSION_TIMEOUT_S = 120.0  # Mooncake may queue a piece this long before a lane takes it
+# Mooncake fails a piece that waited this long for room in its per-peer queue (set below; a
+# piece that got room waits for a lane without a limit)
+ADMISSION_TIMEOUT_S = 120.0
+STATUS_TIMEOUT_S = 30.0  # Mooncake's wait for the receiver's ack once a piece's bytes are sent
+ENV_WATCHDOG = "PDD_WAN_WRITE_WATCHDOG_S"
+ORPHAN_POLL_S = 0.05
+STOP_EXIT_CODE = 70  # EX_SOFTWARE: what a process stopped by the watchdog exits with
 MAX_FLOWS = 16  # Mooncake's most lanes per peer
 
 Block = tuple[int, int, int]  # (source address, destination address, bytes)
@@ -60,13 +79,32 @@ def pieces(blocks: Sequence[Block], n: int) -> list[Block]:
 
 
 def deadline_s(nbytes: int) -> float:
-    """How long a write may take: as Mooncake's own synchronous write allows (MC_TRANSFER_TIMEOUT
-    seconds, at least 5, default 30, plus a second per GB)."""
+    """How long Mooncake's own synchronous write allows (MC_TRANSFER_TIMEOUT seconds, at least 5,
+    default 30, plus a second per GB): a write still running past it is slow, not yet stuck."""
     try:
         base = max(5, int(os.environ.get("MC_TRANSFER_TIMEOUT") or 30))
     except ValueError:
         base = 30
     return base + nbytes / 1e9
+
+
+def watchdog_s(nbytes: int) -> float:
+    """How long a write waits for Mooncake to settle its pieces before it stops the process:
+    PDD_WAN_WRITE_WATCHDOG_S, else twice the longest a piece takes within Mooncake's own limits
+    (its wait for admission, the transfer within `deadline_s`, the receiver's ack)."""
+    admission = _env_seconds("MC_TCP_ADMISSION_TIMEOUT_MS", ADMISSION_TIMEOUT_S * 1000) / 1000
+    status = _env_seconds("MC_TCP_STATUS_TIMEOUT_SEC", STATUS_TIMEOUT_S)
+    return _env_seconds(ENV_WATCHDOG, 2 * (admission + deadline_s(nbytes) + status))
+
+
+def _env_seconds(name: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(name) or default)
+    except ValueError:
+        logger.warning("PDD: ignoring %s=%r (not a number); using %s", name, os.environ[name],
+                       default)  # fmt: skip
+        return default
+    return value if value > 0 else default
 
 
 def _sleeps() -> Iterator[float]:
@@ -77,41 +115,96 @@ def _sleeps() -> Iterator[float]:
 
 
 def write(engine: Any, session: str, blocks: Sequence[Block], n: int) -> int:
-    """Writes `blocks` to `session` over up to `n` TCP flows: 0 when every byte landed; -1 when
-    a piece failed (once the pieces already submitted have finished, so none outlives the call)
-    or the write ran past `deadline_s`."""
+    """Writes `blocks` to `session` over up to `n` TCP flows: 0 when every byte landed, -1 when a
+    piece failed. Either way it returns only once no byte of the write can land any more: after
+    a failure it submits no more pieces, waits until Mooncake settled each submitted one and
+    until closed connections no longer hold bytes for the peer. A write that does not get there
+    within `watchdog_s` stops the process (`stop_process`)."""
     todo = deque(pieces(blocks, n))
-    pending: list[int] = []
+    pending: dict[int, Block] = {}  # batch id: piece
     failed: str | None = None
-    deadline = time.monotonic() + deadline_s(sum(b[2] for b in blocks))
+    start = time.monotonic()
+    nbytes = sum(b[2] for b in blocks)
+    slow, limit = deadline_s(nbytes), watchdog_s(nbytes)  # slow: warned about once, then 0
     sleeps = _sleeps()
     while todo or pending:
         while todo and failed is None and len(pending) < PENDING_PER_FLOW * n:
-            src, dst, length = todo.popleft()
-            batch = engine.transfer_submit_write(session, src, dst, length)
+            piece = todo.popleft()
+            batch = engine.transfer_submit_write(session, *piece)
             if batch in (0, (1 << 64) - 1):
-                failed = f"submitting {length} bytes to {session} failed"
+                failed = f"submitting a piece of {piece[2]} bytes failed"
             else:
-                pending.append(batch)
+                pending[batch] = piece
         if failed is not None:
             todo.clear()
-        still = []
-        for batch in pending:
+        settled = 0
+        for batch, piece in list(pending.items()):
+            # 1 finished, -1 failed: settled, and Mooncake freed the batch. Anything else leaves
+            # the piece running (0; -2, a timeout, is not a TCP transport's answer): ask again.
             status = engine.transfer_check_status(batch)
-            if status == 0:
-                still.append(batch)
-            elif status < 0 and failed is None:
-                failed = f"a piece to {session} {'timed out' if status == -2 else 'failed'}"
-        if len(still) < len(pending):
+            if status in (1, -1):
+                del pending[batch]
+                settled += 1
+                if status == -1 and failed is None:
+                    failed = f"a piece of {piece[2]} bytes failed"
+        if not pending:
+            continue
+        if settled:
             sleeps = _sleeps()
-        elif time.monotonic() > deadline:
-            logger.error("PDD: KV write to %s timed out with %d of its pieces in flight",
-                         session, len(still))  # fmt: skip
-            return -1
-        pending = still
-        if pending:
-            time.sleep(next(sleeps))
-    if failed is not None:
-        logger.warning("PDD: KV write failed: %s", failed)
-        return -1
-    return 0
+        waited = time.monotonic() - start
+        if waited > limit:
+            stop_process(session, _unsettled(session, waited, pending.values(), failed))
+        if slow and waited > slow:
+            logger.warning("PDD: KV write to %s: %d pieces still in flight after %.0fs; waiting "
+                           "for Mooncake to settle them (watchdog %.0fs)", session, len(pending),
+                           waited, limit)  # fmt: skip
+            slow = 0.0
+        time.sleep(next(sleeps))
+    if failed is None:
+        return 0
+    _drain_closed(session, start, limit, failed)
+    logger.warning("PDD: KV write to %s failed: %s", session, failed)
+    return -1
+
+
+def _drain_closed(session: str, start: float, limit: float, failed: str) -> None:
+    """Waits until closed connections no longer hold bytes for the peer: a piece whose ack did
+    not come in time fails while its bytes may still be queued in the kernel, which keeps
+    sending a closed socket's queue (or drops it after its retries)."""
+    peers = tcp_peers.peer_addresses(session)
+    while (left := tcp_peers.orphaned_bytes(peers)) > 0:
+        waited = time.monotonic() - start
+        if waited > limit:
+            stop_process(session, f"KV write to {session} failed ({failed}) and closed "
+                                  f"connections still hold {left} bytes for it after "
+                                  f"{waited:.0f}s")  # fmt: skip
+        time.sleep(ORPHAN_POLL_S)
+
+
+def _unsettled(session: str, waited: float, pending: Collection[Block], failed: str | None) -> str:
+    shown = ", ".join(
+        f"{length} bytes {src:#x}->{dst:#x}" for src, dst, length in list(pending)[:8]
+    )
+    more = f" and {len(pending) - 8} more" if len(pending) > 8 else ""
+    return (f"KV write to {session}: {len(pending)} pieces not settled by Mooncake after "
+            f"{waited:.0f}s ({failed or 'none failed'}): {shown}{more}")  # fmt: skip
+
+
+def stop_process(session: str, why: str) -> NoReturn:
+    """Ends this process when a write's pieces may still land after the watchdog. Returning
+    would let SGLang fail the request and free its slots, on P and, after its timeout, on the
+    decoder, while Mooncake could still write into them for another request; raising does the
+    same through SGLang's transfer worker; waiting on would hold the worker and still not stop
+    the decoder from freeing its slots on its own timeout. Mooncake has no cancel, so the one
+    way to end the pieces is to end the process that sends them, its connections reset first
+    so that the kernel drops their unsent bytes instead of delivering them. SGLang's watchdog
+    then takes the server down, and the decoders fail its requests."""
+    logger.critical("PDD: %s. Stopping this process: a write that can still land must not meet "
+                    "a freed KV slot", why)  # fmt: skip
+    try:
+        reset = tcp_peers.reset_on_exit(tcp_peers.peer_addresses(session))
+        logger.critical("PDD: %d connections to %s reset; exiting with code %d", reset,
+                        session, STOP_EXIT_CODE)  # fmt: skip
+    except Exception:  # the exit must happen regardless
+        logger.exception("PDD: resetting the connections to %s failed", session)
+    os._exit(STOP_EXIT_CODE)

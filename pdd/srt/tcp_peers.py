@@ -1,0 +1,91 @@
+"""This process's TCP connections to a peer, as the kernel lists them: whether closed ones still
+hold bytes for it, and making the open ones reset, not drain, when the process exits.
+
+Mooncake's TCP transport owns these sockets; pdd only reads /proc and sets one option on a
+duplicate of a socket's descriptor, so no transfer is disturbed. Linux only (as is Mooncake's
+TCP transport)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import struct
+from collections.abc import Iterator
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
+
+
+def peer_addresses(session: str) -> set[Address]:
+    """The addresses of a Mooncake session id, "host:port" (SGLang's are "ip:port"); empty when
+    the host does not resolve."""
+    host = session.rsplit(":", 1)[0].strip("[]")
+    try:
+        return {ipaddress.ip_address(host)}
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return set()
+    return {_plain(ipaddress.ip_address(info[4][0])) for info in infos}
+
+
+def orphaned_bytes(peers: set[Address]) -> int:
+    """Unacknowledged bytes that closed connections of this network namespace (no process holds
+    them: inode 0) still hold for `peers`. The kernel goes on sending a closed socket's queue, so
+    these bytes can land at the peer after whoever wrote them gave up."""
+    # A closed socket's count includes its FIN, one sequence number: data is what is above it.
+    return sum(queued - 1 for queued, inode in _sockets(peers) if inode == 0 and queued > 1)
+
+
+def reset_on_exit(peers: set[Address]) -> int:
+    """Makes this process's open connections to `peers` reset when closed (SO_LINGER 0), so that
+    when the process exits the kernel drops what they have not sent instead of delivering it.
+    Returns how many it set."""
+    mine = {inode for _, inode in _sockets(peers) if inode}
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if not (link.startswith("socket:[") and int(link[8:-1]) in mine):
+            continue
+        try:
+            with socket.socket(fileno=os.dup(int(fd))) as dup:  # closes the duplicate only
+                dup.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:  # closed, or the number reused, since it was listed
+            continue
+        count += 1
+    return count
+
+
+def _sockets(peers: set[Address]) -> Iterator[tuple[int, int]]:
+    """(unacknowledged bytes, inode) of each TCP socket of this network namespace to `peers`."""
+    for table in TABLES:
+        try:
+            with open(table) as f:
+                rows = f.readlines()[1:]
+        except OSError:  # no IPv6
+            continue
+        for row in rows:
+            fields = row.split()
+            if _address(fields[2].split(":")[0]) in peers:
+                yield int(fields[4].split(":")[0], 16), int(fields[9])
+
+
+def _address(hex_address: str) -> Address:
+    """An address as /proc/net/tcp prints it: 32-bit words, each in host (little-endian) order."""
+    raw = bytes.fromhex(hex_address)
+    return _plain(
+        ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)))
+    )
+
+
+def _plain(address: Address) -> Address:
+    """IPv4 for an IPv4-mapped IPv6 address (a dual-stack socket's view of an IPv4 peer)."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
