@@ -2,8 +2,9 @@
 
     python -m pdd.eval live [--model models/wide] [--requests 40] [--rate 0.15 | --rates R1,R2,..
                             | --concurrency N] [--trace FILE] [--scale 0.015] [--max-new 512]
-                            [--pool TOKENS] [--rate-mbit 100] [--delay-ms 20] [--ttft-sla 3]
-                            [--route-ttft 0.6] [--tpot-sla 0.5] [--dtype float32] [--out runs/live]
+                            [--pool TOKENS] [--burst N] [--rate-mbit 100] [--delay-ms 20]
+                            [--ttft-sla 3] [--route-ttft 0.6] [--tpot-sla 0.5] [--dtype float32]
+                            [--out runs/live]
 
 Needs root. Brings up its own testbed (name `pddlive`): P and RelayDecode (RLD) in datacenter
 A, MainDecode (MD) in B, the PDD router in A, the emulated WAN between them. The same requests
@@ -91,6 +92,10 @@ DEPLOYMENTS = [
 ]
 DEFAULT_DEPLOYMENTS = [d.name for d in DEPLOYMENTS if d.relay_guard]
 REQUEST_TIMEOUT_S = 600.0
+# One torch thread per server. In production each tier has chips of its own; here P, RLD and MD
+# share the cores, and with a thread per core each (torch's default) every OpenMP barrier of one
+# server waited on a core another server held: MD's steps ran 2.5-3.5x slower while RLD decoded.
+SERVER_ENV = {role: {"OMP_NUM_THREADS": "1"} for role in ("prefill", "relay", "main")}
 
 
 @dataclass
@@ -228,6 +233,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--burst", type=int, default=0,
+        help="add this many low-hit requests mid-trace, 0.5 s apart (the load the RLD guard "
+        "is for; compare PDD with `PDD no RLD guard`)",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-new",
         type=int,
         default=512,
@@ -282,6 +292,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.rate]
     except ValueError:
         parser.error(f"--rates {args.rates!r}: give numbers separated by commas")
+    if args.burst < 0 or (args.burst and args.trace is not None):
+        parser.error("--burst takes a count >= 0, for a generated trace (not with --trace)")
     if any(r <= 0 for r in rates):
         parser.error("rates must be > 0")
     args.pace_rates = [None] if args.concurrency is not None else rates
@@ -294,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     exit_on_sigterm()
 
     spec = TraceSpec(args.trace, args.requests, args.sessions, args.scale, args.seed,
-                     args.turn_gap)  # fmt: skip
+                     args.turn_gap, args.burst)  # fmt: skip
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     cache: dict[tuple[int, int], list[int]] = {}
     paces = []
@@ -339,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                 tb.placement("b"), main_args=pool_args, prefill_args=pool_args,
                 decode_cache=first.decode_cache, router_args=first.router_args(args.route_ttft),
                 relay_fraction=first.relay_fraction, server_args=("--dtype", args.dtype),
+                server_env=SERVER_ENV,
             )  # fmt: skip
             try:
                 print(f"starting P + RLD ({first.relay_fraction:g} of MD) in A, MD in B, router "

@@ -11,11 +11,20 @@ the trace's working set, so that the decode cache holds what production's would.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pdd.eval.trace import import_trace
-from pdd.eval.workload import TraceRequest, WorkloadConfig, generate, system_prompts
+from pdd.eval.workload import (
+    PrefixTrie,
+    TraceRequest,
+    WorkloadConfig,
+    draw_output,
+    fresh_for,
+    generate,
+    system_prompts,
+)
 
 POOL_FACTOR = 2.0  # KV pool / peak working set, by default
 
@@ -30,6 +39,7 @@ class TraceSpec:
     scale: float = 0.015
     seed: int = 0
     turn_gap_s: float = 20.0  # a session's next turn comes after its answer (and its tool)
+    burst: int = 0  # low-hit requests added at once mid-trace (generated traces only)
 
     def config(self, rate: float) -> WorkloadConfig:
         cfg = WorkloadConfig(seed=self.seed, requests=self.requests, sessions=self.sessions,
@@ -45,7 +55,8 @@ def trace_at(spec: TraceSpec, rate: float | None) -> list[TraceRequest]:
     mean rate, or Poisson arrivals (seeded) when it has no timestamps. `rate` None: as it is
     (a closed-loop run ignores the clock)."""
     if spec.path is None:
-        return generate(spec.config(rate if rate is not None else 1.0))
+        cfg = spec.config(rate if rate is not None else 1.0)
+        return low_hit_burst(cfg, generate(cfg), spec.burst)
     trace = import_trace(spec.path)[: spec.requests]
     if rate is None or not trace:
         return trace
@@ -57,6 +68,43 @@ def trace_at(spec: TraceSpec, rate: float | None) -> list[TraceRequest]:
     for r in trace:
         out.append(replace(r, arrival_s=t))
         t += rng.expovariate(rate)
+    return out
+
+
+def low_hit_burst(cfg: WorkloadConfig, trace: Sequence[TraceRequest], n: int,
+                  gap_s: float = 0.5) -> list[TraceRequest]:  # fmt: skip
+    """`trace` with `n` low-hit requests added at its midpoint, `gap_s` apart: each a new
+    session's shared system prompt + a fresh document sized for a hit in cfg.low_hit, with an
+    agentic answer. The failure the router's RLD guard exists for (DESIGN.md: low-hit traffic
+    kept on a small RLD overloads it). Ids renumbered in arrival order; hits measured again."""
+    if n <= 0:
+        return list(trace)
+    rng = random.Random(cfg.seed + 7919)  # its own stream: the trace itself is unchanged
+    systems = [r.segments[0] for r in system_prompts(cfg) if r.segments]
+    at = trace[len(trace) // 2].arrival_s if trace else 0.0
+    first_session = 1 + max((r.session for r in trace), default=-1)
+    doc_seeds = ((cfg.seed + 1) << 32) + (1 << 31)  # beyond any seed the generator draws
+    added = []
+    for k in range(n):
+        system = rng.choice(systems)
+        doc = max(cfg.min_insert_tokens, fresh_for(system[1], rng.uniform(*cfg.low_hit)))
+        doc = min(doc, cfg.max_context - system[1])
+        segments = (system, (doc_seeds + k, doc))
+        added.append(TraceRequest(-1, first_session + k, 0, round(at + k * gap_s, 6),
+                                  system[1] + doc, 0, draw_output(cfg, rng),
+                                  segments=segments))  # fmt: skip
+    merged = sorted([*trace, *added], key=lambda r: r.arrival_s)
+    trie = PrefixTrie()
+    if cfg.warm:
+        for system in systems:
+            trie.insert([system])
+    out = []
+    for i, r in enumerate(merged):
+        cached = r.cached_tokens
+        if r.segments is not None:
+            cached = trie.match(r.segments)
+            trie.insert(r.segments)
+        out.append(replace(r, id=i, cached_tokens=cached))
     return out
 
 

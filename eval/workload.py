@@ -187,6 +187,12 @@ class WorkloadConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def draw_output(cfg: WorkloadConfig, rng: random.Random) -> int:
+    """A decoded length: lognormal around cfg.output_median, within cfg.output_range."""
+    n = round(cfg.output_median * math.exp(cfg.output_sigma * rng.gauss(0, 1)))
+    return min(max(n, cfg.output_range[0]), cfg.output_range[1])
+
+
 def _check_range(
     name: str, pair: tuple[float, float], lo: float, hi: float, open_low: bool = False
 ) -> None:
@@ -305,9 +311,7 @@ class _Generator:
         return LOW + (HIGH - LOW) * rng.random() ** (1 / self.mid_k)
 
     def _draw_output(self) -> int:
-        cfg = self.cfg
-        n = round(cfg.output_median * math.exp(cfg.output_sigma * self.rng.gauss(0, 1)))
-        return min(max(n, cfg.output_range[0]), cfg.output_range[1])
+        return draw_output(self.cfg, self.rng)
 
     def _new_session(self, target: float) -> _Session:
         cfg = self.cfg

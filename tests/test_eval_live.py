@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from pdd.eval.__main__ import main
-from pdd.eval.live_plan import TraceSpec, pool_tokens, trace_at, warmup, working_set
+from pdd.eval.live_plan import (
+    TraceSpec,
+    low_hit_burst,
+    pool_tokens,
+    trace_at,
+    warmup,
+    working_set,
+)
 from pdd.eval.live_report import compare_line, meets, report, sla_goodput
 from pdd.eval.report import Record, Run, Sla
 from pdd.eval.workload import TraceRequest, hit_rate_summary
@@ -30,6 +37,22 @@ def test_the_default_trace_is_in_pdds_regime() -> None:
     assert trace_at(spec, 0.15) == trace and trace_at(spec, 0.3) != trace
     systems = warmup(spec)
     assert systems and all(r.output_tokens == 1 for r in systems)
+
+
+def test_a_low_hit_burst_joins_the_trace_at_its_midpoint() -> None:
+    spec = TraceSpec(burst=12)
+    base, trace = trace_at(TraceSpec(), 0.15), trace_at(spec, 0.15)
+    assert trace == low_hit_burst(spec.config(0.15), base, 12)
+    assert [r.id for r in trace] == list(range(52))
+    added = [r for r in trace if r.session > max(b.session for b in base)]
+    assert len(added) == 12 and all(r.hit < 0.5 for r in added)  # the low tail, measured
+    at = [r.arrival_s for r in added]
+    assert at[0] == base[20].arrival_s and at == pytest.approx([at[0] + 0.5 * k for k in range(12)])
+    assert all(r.output_tokens >= 8 and r.cached_tokens > 0 for r in added)  # a system prompt
+    kept = [r for r in trace if r.session <= max(b.session for b in base)]
+    assert [(r.segments, r.output_tokens, r.cached_tokens) for r in kept] == [
+        (r.segments, r.output_tokens, r.cached_tokens) for r in base
+    ]
 
 
 def test_working_set_and_pool() -> None:
