@@ -18,6 +18,10 @@ from pdd.launch.servers import DTYPE_ENV, SGLangServer
 # Every server a test starts runs in float32, so greedy outputs of different paths cannot differ
 # by a bf16 near-tie (see DTYPE_ENV); tests/test_pd_same_dc.py checks that it took effect.
 os.environ.setdefault(DTYPE_ENV, "float32")
+# One torch thread per server: a test runs several servers on the same cores, and with a thread
+# per core each (torch's default) every OpenMP barrier of one server waits on a core another
+# server holds (a live run measured MD's steps 2.5-3.5x slower that way).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

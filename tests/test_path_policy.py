@@ -46,6 +46,11 @@ def sig(**kw: object) -> Signals:
         (sig(max_new_tokens=4, relay_decode_s=0.12, transfer_s=0.5), "relay", "singular"),
         # ...unless relay-only traffic already fills its share (half of 8) of RLD.
         (sig(max_new_tokens=4, relay_decode_s=0.12, relay_load=4), "pdd", "low hit"),
+        # A longer answer that RLD also finishes first is a session's turn: MD gets the prompt
+        # too (RLD answers; MD caches it for the next turn), at most 16 tokens stay RLD's alone.
+        (sig(max_new_tokens=100, relay_decode_s=0.5), "pdd", "low hit"),
+        (sig(max_new_tokens=17, relay_decode_s=0.3), "pdd", "low hit"),
+        (sig(max_new_tokens=16, relay_decode_s=0.3), "relay", "singular"),
         # ...and while the WAN estimate is stale, MD is fed too, to measure the link again.
         (sig(max_new_tokens=4, relay_decode_s=0.12, wan_stale=True), "pdd", "stale"),
         # RLD full (its own capacity when reported, else the policy's): P->MD above the SLA.
@@ -102,6 +107,8 @@ def test_policy_bounds_are_checked() -> None:
         PathPolicy(ttft_sla_s=0)
     with pytest.raises(ValueError):
         PathPolicy(margin=0.5)
+    with pytest.raises(ValueError):
+        PathPolicy(singular_max_new=-1)
 
 
 def test_transfer_seconds() -> None:

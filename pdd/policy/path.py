@@ -5,8 +5,11 @@ policy is: MD, in the other datacenter, should decode almost everything, and Rel
 a small tier beside P, only hides the WAN for the requests that need it. From what the router
 knows before sending (MD's cached prefix of the prompt, P's compute, the measured WAN, RLD's
 load and capacity):
-- P->RLD when RLD would finish before the KV reached MD ("singular" traffic: long uncached
-  input, short output), while relay-only traffic holds less than its share of RLD;
+- P->RLD when RLD would finish before the KV reached MD and the answer is a few tokens
+  ("singular" traffic: long uncached input, short output), while relay-only traffic holds less
+  than its share of RLD. A longer answer is a conversation's turn: its prompt goes to MD even
+  when RLD answers first, so that MD's cache holds it for the next turn (kept on RLD alone, a
+  session that opens with a long document would stay on RLD turn after turn);
 - P->MD whenever its predicted time to first token (P's compute + the uncached suffix's KV
   crossing to MD) meets the TTFT SLA: high-hit requests, whose small suffix crosses quickly;
 - P->RLD->MD otherwise (low hit: RLD hides the transfer, then hands off), unless RLD is full:
@@ -64,6 +67,7 @@ class PathPolicy:
     relay_max_load: int = 32  # RLD's capacity (requests) when its server reports none
     relay_only_share: float = 0.5  # relay-only traffic may hold this share of RLD's capacity
     margin: float = 1.5  # RLD "finishes first" when its decode time x margin < the transfer
+    singular_max_new: int = 16  # relay-only answers are at most this long (singular traffic)
     guard: bool = True  # a full RLD takes no low-hit request (off: to show the collapse)
 
     def __post_init__(self) -> None:
@@ -71,6 +75,8 @@ class PathPolicy:
             raise ValueError("ttft_sla_s must be > 0 and margin >= 1")
         if self.relay_max_load < 0 or not 0 <= self.relay_only_share <= 1:
             raise ValueError("need relay_max_load >= 0 and 0 <= relay_only_share <= 1")
+        if self.singular_max_new < 0:
+            raise ValueError("singular_max_new must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -114,7 +120,8 @@ def auto_path(s: Signals, policy: PathPolicy) -> PathChoice:
     hit = f"{s.md_cached_tokens or 0}/{s.prompt_tokens} tokens cached on MD"
     capacity = policy.relay_max_load if s.relay_capacity is None else s.relay_capacity
     t, d = s.transfer_s, s.relay_decode_s
-    if t is not None and d is not None and d * policy.margin < t:
+    short = s.max_new_tokens <= policy.singular_max_new
+    if short and t is not None and d is not None and d * policy.margin < t:
         # The KV would cross for nothing: no WAN for answers RLD makes alone.
         if s.relay_load < policy.relay_only_share * capacity:
             why = f"singular: RLD finishes in ~{d:.2f}s, before the KV (~{t:.2f}s)"

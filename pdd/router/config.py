@@ -231,6 +231,14 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "cannot swamp RLD (default %(default)s)",
     )
     add(
+        "--singular-max-new",
+        type=int,
+        default=PathPolicy.singular_max_new,
+        help="auto: a request RLD finishes before its KV reaches MD stays on RLD alone only "
+        "with at most this many output tokens; a longer answer's prompt is sent to MD as well, "
+        "for the next turn (default %(default)s)",
+    )
+    add(
         "--wan-mbit",
         type=float,
         default=None,
@@ -380,6 +388,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         path_policy=PathPolicy(
             ttft_sla_s=args.ttft_sla,
             relay_only_share=args.relay_only_share,
+            singular_max_new=args.singular_max_new,
             guard=not args.no_relay_guard,
         ),
         relay_capacity=args.relay_max_load,
