@@ -186,6 +186,29 @@ def test_per_flow_cap() -> None:
     assert res.ttft_s == pytest.approx(0.1 + 1e8 / (2**20 / 0.02) + 0.02)
 
 
+def test_wan_ramp_after_idle() -> None:
+    # One flow from idle over 20 ms: 14.6 KB in the first round trip (730 KB/s), one segment
+    # more in the next (16.06 KB), so 30.66 KB take exactly two round trips.
+    ramp = Link(gbit_s=8, rtt_ms=20, ramp_flows=1)
+    assert ramp.ramp_bytes_per_s(0.0) == pytest.approx(14600 / 0.02)
+    assert ramp.ramp_bytes_per_s(0.02) == pytest.approx(16060 / 0.02)
+    assert ramp.alone_s(30660) == pytest.approx(0.04)
+    # In the simulator: two such transfers at once each ramp on their own (the line is far
+    # from full) and land one way later; MD's stream takes another 10 ms back.
+    reqs = [SimRequest(0.0, 1, 0, 2), SimRequest(0.0, 1, 0, 2)]  # one token of KV each
+    fast = Tier(CHIP_A, 1, 1, costs=replace(COSTS, flops_s=1e15, bytes_s=1e15))  # us forwards
+    cfg = replace(toy("cache", link=ramp, model=replace(TOY, kv_bytes_per_token=30660)),
+                  prefill=fast, main=fast)  # fmt: skip
+    ttft = [r.ttft_s for r in simulate(reqs, cfg).results]
+    assert ttft == pytest.approx([0.04 + 0.02] * 2, abs=1e-4)
+    # A line that 10 flows' first windows already fill: shared fairly from the start.
+    full = Link(gbit_s=0.008, rtt_ms=20, ramp_flows=10)
+    assert full.ramp_bytes_per_s(0.0) == pytest.approx(1e6) and full.alone_s(1e5) == 0.1
+    cfg = replace(cfg, link=full, model=replace(TOY, kv_bytes_per_token=1e5))
+    ttft = [r.ttft_s for r in simulate(reqs, cfg).results]
+    assert ttft == pytest.approx([0.2 + 0.02] * 2, abs=1e-4)
+
+
 def test_paths_follow_auto_path() -> None:
     reqs = [
         SimRequest(0.0, 1000, 990, 50),  # high hit: 10 tokens cross in 10 ms
@@ -220,14 +243,27 @@ def test_paths_follow_auto_path() -> None:
     assert [r.path for r in busy] == ["pdd", "main"], [r.reason for r in busy]
 
 
+def test_router_sees_cached_prefixes_in_blocks() -> None:
+    # MD holds 137 of 141 tokens, but the router's view (MD's cache sync) is whole 16-token
+    # blocks: 128, so it predicts 13 tokens' KV crossing (13 ms), plus P's 4 ms: ~0.02 s
+    # (exact hits would say 4 + 4 ms: ~0.01 s).
+    req = SimRequest(0.0, 141, 137, 50, md_cached_tokens=137)
+    res = simulate([req], toy("pdd")).results[0]
+    assert res.path == "main" and "128/141 tokens cached on MD" in res.reason
+    assert "first token in ~0.02s" in res.reason
+    assert res.wan_bytes == 4 * 1e6  # what crosses is what MD lacks
+
+
 def test_extend_handoff_and_rld_share_by_hand() -> None:
     req = SimRequest(0.0, 1000, 0, 2000)
     out = simulate([req], toy("pdd", handoff=HandoffPolicy(mode="extend")))
     res = out.results[0]
     assert res.path == "pdd" and res.handoff_mode == "extend"
-    # RLD starts after prefill + RDMA and streams until READY reaches the router: the KV
-    # lands at 1 + 1 + 0.01 s, MD parks it, READY takes 10 ms back.
-    start, ready = 1.0 + RDMA + 0.01, 2.02
+    # RLD starts after prefill + RDMA and streams until READY reaches the router. MD is fed
+    # by a second request to P once P answered (its last token recomputed over 999 cached:
+    # 2 ms), then the KV takes 1 + 0.01 s, MD parks it, READY takes 10 ms back.
+    start, ready = 1.0 + RDMA + 0.01, 1.0 + COSTS.prefill_s(1, 999) + 1.02
+    assert COSTS.prefill_s(1, 999) == pytest.approx(2e-3)
     t, steps = start, 0
     while t + (1e9 + (1000 + steps + 1) * 1e6) / 1e12 <= ready + 1e-12:
         t += (1e9 + (1000 + steps + 1) * 1e6) / 1e12
@@ -296,6 +332,24 @@ def test_md_runs_the_handoff_extend_as_its_own_forward() -> None:
     assert finished[1] == pytest.approx(t + sum(both) + decode_s(1004, 5))
     assert md.extend_forwards == 1
     assert md.busy_s == pytest.approx(finished[1])  # never idle from t = 0 on
+
+
+def test_decode_admits_between_forwards() -> None:
+    # KV that lands during a step is taken in (MD's READY sent) when the step ends, as
+    # SGLang's loop polls transfers between forwards; an idle decoder takes it at once.
+    clock = Clock()
+    md = Decode(clock, COSTS, 8)
+    running = _md_slot(md, 1000, 10, [])
+    md.run(running, 1, 1000)
+    admitted: list[float] = []
+    st = RequestState(1, SimRequest(0.0, 1000, 0, 5))
+    late = Slot(st, 1005, 5, lambda s: admitted.append(clock.now), lambda s: None)
+    clock.at(0.001, md.request, late)
+    clock.run()
+    assert admitted == [pytest.approx(decode_s(1000, 1))]
+    idle = Decode(Clock(), COSTS, 8)
+    idle.request(Slot(st, 1005, 5, lambda s: admitted.append(-1.0), lambda s: None))
+    assert admitted[-1] == -1.0
 
 
 def test_handoffs_of_one_step_share_one_extend_forward() -> None:
@@ -503,9 +557,11 @@ def test_calibration_recovers_the_fit_and_predicts_ttft() -> None:
     # One request at a time, TPOT 20 ms whatever its context: a flat step.
     assert cal.fit.step.step_s(1, 200) == pytest.approx(0.02, rel=0.01)
     assert cal.fit.step.step_s(1, 600) == pytest.approx(0.02, rel=0.01)
-    # Naive's extra first-token time is the prompt's KV at 1e6 B/s (the line) and one RTT.
+    # Naive's extra first-token time is the prompt's KV at 1e6 B/s (the line) and one RTT:
+    # the fitted ramp starts at the line (3 flows' first windows per RTT already fill it).
     assert cal.fit.wan is not None and cal.fit.wan.bootstrap_s == pytest.approx(0.0, abs=1e-6)
-    assert cal.fit.wan.bytes_per_s == pytest.approx(1e6, rel=0.01)
+    link = calib.testbed_link(_live_doc(), cal.fit)
+    assert link.ramp_bytes_per_s(0.0) == pytest.approx(1e6)
     rows = {(r.deployment, r.metric): r for r in cal.rows}
     same = rows[("same-DC PD", "ttft_p50")]
     assert same.predicted == pytest.approx(same.measured, rel=0.1)
@@ -525,6 +581,29 @@ def test_calibration_cli_writes_calib_md(tmp_path: Path) -> None:
     assert "| PDD | rld_share |" in md and "| cross-DC PD + decode cache | e2e_p99 |" in md
     assert json.loads((tmp_path / "out" / "calib.json").read_text())["rows"]
     assert cli_main(["sim", "--calibrate", str(tmp_path / "missing.json")]) == 1
+
+
+def test_md_hits_and_the_live_path_policy() -> None:
+    # Where KV crossed, MD lacked what was sent; a turn RLD answered alone sent MD nothing, so
+    # MD holds what it held of the turn it continues (the request whose prompt is its P hit);
+    # with no such turn, unknown (the simulator's model).
+    def rec(start: float, prompt: int, cached: int, path: str, wan_tokens: int) -> Record:
+        return Record(prompt, cached, start, 50, 0.1, 2.0, path, 0, wan_tokens * 1000)
+
+    recs = [rec(0, 141, 137, "P->MD", 4), rec(10, 770, 141, "P->RLD", 0),
+            rec(20, 806, 770, "P->RLD", 0), rec(30, 380, 96, "P->RLD", 0)]  # fmt: skip
+    assert calib.md_hits(recs, 1000.0) == [137, 141, 141, None]
+    reqs = calib.sim_requests(recs, 1000.0)
+    assert [r.md_cached_tokens for r in reqs] == [137, 141, 141, None]
+    # A live run that does not record --singular-max-new predates it: no limit.
+    doc = _four_passes()
+    f = calibrate(doc).fit
+    model, link = calib.testbed_model(doc), calib.testbed_link(doc, f)
+    cfg = calib.testbed_config("PDD", f, model, link, doc)
+    assert cfg.path_policy.singular_max_new == calib.NO_SINGULAR_LIMIT
+    doc["args"] = {**doc["args"], "singular_max_new": "16"}  # type: ignore[dict-item]
+    cfg = calib.testbed_config("PDD", f, model, link, doc)
+    assert cfg.path_policy.singular_max_new == 16
 
 
 def _group(t0: float, k: int, prompt: int, out: int, tpot: float) -> list[dict[str, object]]:
@@ -569,12 +648,13 @@ def test_fitted_step_grows_with_batch_and_context() -> None:
 def _synthetic_live(seed: int) -> dict[str, object]:
     """A live.json made by the simulator itself from known costs: P 20 ms + 0.5 ms per uncached
     token + 0.2 ms per prompt token; a step of 3 ms + 4 ms per request + 20 us per context
-    token; MD's bootstrap 150 ms; a request's KV at 4 MB/s over a 100 Mbit/s line."""
+    token; MD's bootstrap 150 ms; a request's KV ramping as 4 TCP flows from idle (1.46 MB/s,
+    0.146 MB/s more each 40 ms round trip) over a 100 Mbit/s line."""
     model = Model("toy", 1.0, 1.0, 10_000.0)
     truth = Fit(
         PrefillFit(0.02, 5e-4, 2e-4, 0.0, 1.0, 0),
         StepFit(0.003, 0.004, 2e-5, 1.0, 0),
-        WanFit(0.15, 4e6, 0, 1.0),
+        WanFit(0.15, 4.0, 0, 1.0),
     )
     live: dict[str, object] = {"link": {"rate_mbit": 100.0, "delay_ms": 20.0},
                                "model": {"name": "toy", "kv_bytes_per_token": 10_000}}  # fmt: skip
@@ -613,5 +693,5 @@ def test_calibration_recovers_known_constants_from_synthetic_runs() -> None:
         assert pre.s_per_uncached == pytest.approx(5e-4, rel=0.3)
         assert wan is not None
         assert wan.bootstrap_s == pytest.approx(0.15, rel=0.2)
-        assert wan.bytes_per_s == pytest.approx(4e6, rel=0.1)
+        assert wan.flows == pytest.approx(4.0, rel=0.1)
         assert cal.median_abs_error < 0.05

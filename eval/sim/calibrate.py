@@ -3,13 +3,14 @@
 
 The simulated testbed is 1 P, 1 RLD and 1 MD (same-DC: 1 P + 1 D) with the fitted costs, each
 decoder's slots as its server reported them (RLD's capacity is also what the router's path
-policy reads, as live), the live link (line rate, RTT = 2 x one-way delay, no jitter; one
-request's KV at the fitted rate) and the model's KV bytes per token. The simulated router
-routes by the live router's first-token target and starts knowing nothing, as live. The
-simulator is open loop: each deployment's requests arrive when the live run sent them (a
-closed-loop live run paces these by its own latencies), with the prompt, P-side hit, output
-length and, where KV crossed, MD's hit that the live run had. Measured and predicted metrics
-come from the same code (`pdd.eval.report.Run.summary`) on per-request records.
+policy reads, as live), the live link (line rate, RTT = 2 x one-way delay, no jitter; a
+request's KV ramping as fitted) and the model's KV bytes per token. The simulated router
+routes by the live router's first-token target and path policy (`testbed_config`) and starts
+knowing nothing, as live. The simulator is open loop: each deployment's requests arrive when
+the live run sent them (a closed-loop live run paces these by its own latencies), with the
+prompt, P-side hit, output length and MD's hit that the live run had (`md_hits`). Measured and
+predicted metrics come from the same code (`pdd.eval.report.Run.summary`) on per-request
+records.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ KINDS = {  # live deployment -> simulated kind, handoff mode (the live run's), c
 PATHS = {"main": "P->MD", "relay": "P->RLD", "pdd": "P->RLD->MD"}  # simulated -> live names
 LATENCY = [f"{m}_p{q}" for m in ("ttft", "tpot", "e2e") for q in (50, 90, 99)]
 NEVER_BINDS = 1e30  # compute, bandwidth or RDMA rate that never limits a step
+NO_SINGULAR_LIMIT = 1 << 30  # PathPolicy.singular_max_new of a router without the limit
 
 
 def _rate(kv_bytes_per_token: float, s_per_token: float) -> float:
@@ -94,8 +96,8 @@ class Fit:
         )
         if w is not None:
             text += (
-                f"; P->MD: MD's bootstrap {w.bootstrap_s * 1e3:.0f} ms, a request's KV at "
-                f"{w.bytes_per_s * 8 / 1e6:.1f} Mbit/s ({w.requests} P->MD first tokens, "
+                f"; P->MD: MD's bootstrap {w.bootstrap_s * 1e3:.0f} ms, a request's KV ramping "
+                f"as {w.flows:.1f} TCP flows from idle ({w.requests} P->MD first tokens, "
                 f"R^2 = {w.r2:.3f})"
             )
         return text
@@ -105,11 +107,9 @@ def fit(live: Mapping[str, Any]) -> Fit:
     """Every cost from the live run's records (see pdd.eval.sim.fit)."""
     same = records(live, SAME_DC)
     prefill, step = fit_prefill(same), fit_step(same)
-    link = live["link"]
     cross = [records(live, name) for name in live["runs"] if name != SAME_DC]
     kvb = float(live["model"]["kv_bytes_per_token"])
-    line = float(link["rate_mbit"]) * 1e6 / 8
-    wan = fit_wan(cross, prefill, float(link["delay_ms"]) / 1000, line, kvb)
+    wan = fit_wan(cross, prefill, testbed_link(live), kvb)
     return Fit(prefill, step, wan)
 
 
@@ -121,14 +121,10 @@ def testbed_model(live: Mapping[str, Any]) -> Model:
 
 
 def testbed_link(live: Mapping[str, Any], f: Fit | None = None) -> Link:
-    """The live link; one request's KV no faster than the fitted rate."""
+    """The live link; a request's KV ramps as the fitted flows up to the line."""
     link = live["link"]
-    rtt_ms = 2 * float(link["delay_ms"])
-    gbit_s = float(link["rate_mbit"]) / 1000
-    window = None
-    if f is not None and f.wan is not None and f.wan.bytes_per_s < gbit_s * 1e9 / 8:
-        window = f.wan.bytes_per_s * rtt_ms / 1000 / 2**20  # a flow's rate = window / RTT
-    return Link(gbit_s=gbit_s, rtt_ms=rtt_ms, tcp_window_mb=window)
+    flows = f.wan.flows if f is not None and f.wan is not None else None
+    return Link(float(link["rate_mbit"]) / 1000, 2 * float(link["delay_ms"]), ramp_flows=flows)
 
 
 def testbed_config(name: str, f: Fit, model: Model, link: Link,
@@ -144,11 +140,15 @@ def testbed_config(name: str, f: Fit, model: Model, link: Link,
     relay = Tier(CHIP_A, 1, 1, int(cap.get("relay", 128)), costs=f.decode_costs(model))
     args = live.get("args", {})
     route = float(args.get("route_ttft", live_sla(live).ttft_s))
+    # A run that does not record the router's --singular-max-new predates it (4d1ec30): its
+    # router kept any answer RLD would finish first on RLD alone, however long.
+    singular = int(args.get("singular_max_new", NO_SINGULAR_LIMIT))
     # The live router's first-token residual shows in its estimates; runs without it had none.
     estimates = live.get("router_estimates", {}).get(name, {})
     return ClusterConfig(
         kind, p, d, relay if kind == "pdd" else None, model, link,
-        path_policy=PathPolicy(ttft_sla_s=route), handoff=HandoffPolicy(mode=mode),
+        path_policy=PathPolicy(ttft_sla_s=route, singular_max_new=singular),
+        handoff=HandoffPolicy(mode=mode),
         rdma_latency_s=0.0, md_bootstrap_s=f.wan.bootstrap_s if f.wan is not None else 0.0,
         shared_host_s=f.prefill.shared_host_s,
         first_token_extra="first_token_extra_s" in estimates, warm_estimates=False,
@@ -166,16 +166,35 @@ def records(live: Mapping[str, Any], name: str) -> list[Record]:
 
 
 def sim_requests(recs: Sequence[Record], kv_bytes_per_token: float) -> list[SimRequest]:
-    """The requests a live pass completed, arriving when it sent them; where KV crossed the
-    WAN, MD's hit is what MD did not need sent."""
+    """The requests a live pass completed, arriving when it sent them, with MD's hit
+    (`md_hits`)."""
     out = []
+    ok = [r for r in recs if r.ok and r.start_s is not None and r.output_tokens >= 1]
+    ok.sort(key=lambda r: r.start_s or 0.0)
+    for r, md in zip(ok, md_hits(ok, kv_bytes_per_token), strict=True):
+        cached = min(r.cached_tokens, r.prompt_tokens)
+        out.append(SimRequest(r.start_s or 0.0, r.prompt_tokens, cached, r.output_tokens, md))
+    return out
+
+
+def md_hits(recs: Sequence[Record], kv_bytes_per_token: float) -> list[int | None]:
+    """MD's prefix hit for each of one pass's requests (in order of sending). Where KV crossed,
+    what MD was not sent. Where RLD answered alone, MD was sent nothing, so it holds only what
+    it held of the turn this one continues (the latest earlier request whose prompt is this
+    one's P-side hit), not P's hit: a session kept on RLD is not on MD. None (the simulator's
+    model): neither is known."""
+    held: list[tuple[int, int]] = []  # (prompt tokens, of which MD holds) per earlier request
+    out: list[int | None] = []
     for r in recs:
-        if r.ok and r.start_s is not None and r.output_tokens >= 1:
-            cached = min(r.cached_tokens, r.prompt_tokens)
-            md = None
-            if r.wan_kv_bytes > 0:
-                md = max(0, r.prompt_tokens - round(r.wan_kv_bytes / kv_bytes_per_token))
-            out.append(SimRequest(r.start_s, r.prompt_tokens, cached, r.output_tokens, md))
+        md: int | None = None
+        if r.wan_kv_bytes > 0:
+            md = max(0, r.prompt_tokens - round(r.wan_kv_bytes / kv_bytes_per_token))
+        elif r.path == PATHS["relay"]:
+            prev = [h for p, h in held if p == r.cached_tokens]
+            md = min(prev[-1], r.cached_tokens) if prev else None
+        out.append(md)
+        fed = r.wan_kv_bytes > 0 or r.path != PATHS["relay"]  # MD got the whole prompt
+        held.append((r.prompt_tokens, r.prompt_tokens if fed else md or 0))
     return out
 
 
@@ -297,19 +316,24 @@ def calibrate(live: Mapping[str, Any]) -> Calibration:
     )
     notes = [
         f"testbed: 1 P, 1 RLD, 1 MD; WAN {link.gbit_s * 1000:g} Mbit/s, RTT {link.rtt_ms:g} ms, "
-        f"a request's KV at {link.flow_bytes_per_s * 8 / 1e6:.1f} Mbit/s; {model.name}: "
+        f"a request's KV ramping as {link.ramp_flows or 0:.1f} TCP flows after idle (their "
+        f"first windows, a segment more each round trip); {model.name}: "
         f"{model.kv_bytes_per_token:.0f} KV bytes/token",
         f"the live run was {pace}; the simulator replays each pass's send times as arrivals "
         "(open loop)",
         "P's fitted overhead is paid once per prefill forward (batched requests share it); the "
         "decode step grows with the batch and its context; a P->MD request waits for MD's "
-        "bootstrap before P takes it (on P->RLD->MD, MD's KV waits for it); a first token comes "
-        "later by the fitted cost per request decoding at the time (one CPU for every server)",
-        "MD's prefix hit = what MD was not sent live where KV crossed, else the trace's cached "
-        "tokens (decode cache) or 0 (naive); PDD routes by the live router's first-token "
-        f"target ({args.get('route_ttft', args.get('ttft_sla', '3.0'))} s) with the live "
-        "handoff mode; the router adds P->MD's first-token residual only where the live run's "
-        "estimates show one (first_token_extra_s)",
+        "bootstrap before P takes it (on P->RLD->MD, the second request to P that feeds MD "
+        "waits for it); a first token comes later by the fitted cost per request decoding at "
+        "the time (one CPU for every server)",
+        "MD's prefix hit = what MD was not sent live where KV crossed; on a turn RLD answered "
+        "alone, what MD held of the turn it continues; else the trace's cached tokens (decode "
+        "cache) or 0 (naive); PDD routes by the live router's first-token target "
+        f"({args.get('route_ttft', args.get('ttft_sla', '3.0'))} s) and RLD-alone limit "
+        f"({args.get('singular_max_new', 'none: the run predates it')}) with the live handoff "
+        f"mode, seeing cached prefixes in {ClusterConfig.cache_block}-token blocks as the router "
+        "does; it adds P->MD's first-token residual only where the live run's estimates show "
+        "one (first_token_extra_s)",
         "WAN MB/request: measured by the link's A -> B byte counter (KV plus control messages), "
         "predicted as the KV the simulator sends",
     ]

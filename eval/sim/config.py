@@ -71,7 +71,8 @@ class ClusterConfig:
     per_request_s: float = 0.0  # per request of a forward (costs.StepCosts: 0 on GPUs)
     # From a request's arrival until MD can take its KV: MD's bootstrap with P (round trips over
     # the WAN, MD's KV allocation). P starts a P->MD prefill only then (SGLang's P waits for
-    # its decode side); on P->RLD->MD it runs beside RLD's part. 0: not modelled.
+    # its decode side); on P->RLD->MD it runs beside RLD's part, and P takes the request that
+    # feeds MD no earlier. 0: not modelled.
     md_bootstrap_s: float = 0.0
     # The router adds what recent P->MD first tokens took beyond its prediction (Signals.
     # main_extra_s, pdd.router.estimates.FirstTokenResidual); off: a router without it.
@@ -80,6 +81,10 @@ class ClusterConfig:
     # later per request decoding anywhere. 0: separate machines.
     shared_host_s: float = 0.0
     warm_estimates: bool = True  # the router starts knowing KV/token and the flow rate
+    # The router sees MD's and P's cached prefixes in whole blocks of this many tokens (MD's
+    # cache sync, --pdd-cache-block's default; its P index): its transfer and compute estimates
+    # count a partial block as uncached.
+    cache_block: int = 16
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -91,6 +96,8 @@ class ClusterConfig:
             raise ValueError("pdd needs at least one RLD instance")
         if min(self.md_bootstrap_s, self.per_request_s, self.shared_host_s) < 0:
             raise ValueError("need md_bootstrap_s, per_request_s and shared_host_s >= 0")
+        if self.cache_block < 1:
+            raise ValueError("cache_block must be >= 1")
 
     @property
     def tiers(self) -> dict[str, Tier]:

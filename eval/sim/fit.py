@@ -14,21 +14,27 @@ non-negative coefficients:
   decoding beside it (from every record's first-token and end times), their context growing a
   token a step, averaged over its steps (refitted twice, each time weighing an instant by the
   steps the last fit makes there);
-- MD's bootstrap and the WAN's rate per request, from P->MD first tokens of cross-DC passes:
+- MD's bootstrap and how a request's KV crosses, from P->MD first tokens of cross-DC passes:
   TTFT - P's fitted part - two one-way delays (the KV's last byte, the first token's way
-  back) = bootstrap + WAN KV bytes / rate, the rate at most the line's; weighted by 1 / TTFT^2,
-  so that it minimises relative errors, as the comparison counts them (a few large transfers
-  would otherwise decide it alone).
+  back) = bootstrap + the KV's time alone on the link, which ramps like TCP after idle
+  (`hardware.Link.ramp_flows`: the flows' first windows, a segment more per flow each round
+  trip, up to the line). Live, a request's rate grows with its size (a few MB: 25-45 Mbit/s,
+  tens of MB: 60-100 Mbit/s of the 100), which one fixed rate cannot follow. The flows are
+  searched, the bootstrap is the weighted mean rest; weighted by 1 / TTFT^2, so that it
+  minimises relative errors, as the comparison counts them (a few large transfers would
+  otherwise decide it alone).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdd.eval.report import Record
+from pdd.eval.sim.hardware import Link
+
+FLOWS = (0.25, 64.0)  # the range searched for a request's TCP flows
 
 
 def least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float],
@@ -190,14 +196,14 @@ def fit_step(records: Sequence[Record], rounds: int = 3) -> StepFit:
 @dataclass(frozen=True)
 class WanFit:
     bootstrap_s: float  # from arrival until MD takes the KV (P->MD)
-    bytes_per_s: float  # one request's KV over the WAN
+    flows: float  # a request's KV ramps as this many TCP flows from idle (Link.ramp_flows)
     requests: int
     r2: float
 
 
-def fit_wan(passes: Sequence[Sequence[Record]], prefill: PrefillFit, one_way_s: float,
-            line_bytes_s: float, kv_bytes_per_token: float) -> WanFit | None:  # fmt: skip
-    """MD's bootstrap and a request's WAN rate from the P->MD first tokens of cross-DC
+def fit_wan(passes: Sequence[Sequence[Record]], prefill: PrefillFit, link: Link,
+            kv_bytes_per_token: float) -> WanFit | None:  # fmt: skip
+    """MD's bootstrap and the ramp of a request's KV from the P->MD first tokens of cross-DC
     `passes`; None without any."""
     xs: list[float] = []
     ys: list[float] = []
@@ -209,13 +215,22 @@ def fit_wan(passes: Sequence[Sequence[Record]], prefill: PrefillFit, one_way_s: 
             new = max(1, r.prompt_tokens - r.cached_tokens)
             xs.append(float(r.wan_kv_bytes or new * kv_bytes_per_token))
             p = prefill.first_token_s(r, busy_during(recs, r))
-            ys.append(r.ttft_s - p - 2 * one_way_s)
+            ys.append(r.ttft_s - p - 2 * link.mean_one_way_s())
             ws.append(1 / max(r.ttft_s, 1e-3) ** 2)  # relative errors, as the comparison
     if not xs:
         return None
-    (boot, s_per_byte), r2 = least_squares([[1.0, x] for x in xs], ys, ws)
-    if s_per_byte < 1 / line_bytes_s:  # faster than the line: the line's rate
-        s_per_byte = 1 / line_bytes_s
-        resid = [(y - x * s_per_byte) * w for x, y, w in zip(xs, ys, ws, strict=True)]
-        boot = max(sum(resid) / sum(ws), 0.0)
-    return WanFit(boot, 1 / s_per_byte if s_per_byte > 0 else math.inf, len(xs), r2)
+
+    def fitted(flows: float) -> tuple[float, float]:  # (weighted SSE, bootstrap)
+        ramp = replace(link, ramp_flows=flows)
+        resid = [y - ramp.alone_s(x) for x, y in zip(xs, ys, strict=True)]
+        boot = max(sum(w * e for w, e in zip(ws, resid, strict=True)) / sum(ws), 0.0)
+        return sum(w * (e - boot) ** 2 for w, e in zip(ws, resid, strict=True)), boot
+
+    # A coarse geometric grid, then a finer one around its best: the error is smooth in flows.
+    grid = [FLOWS[0] * (FLOWS[1] / FLOWS[0]) ** (k / 40) for k in range(41)]
+    best = min(grid, key=lambda n: fitted(n)[0])
+    best = min((best * 1.2 ** (k / 10 - 1) for k in range(21)), key=lambda n: fitted(n)[0])
+    sse, boot = fitted(best)
+    my = sum(w * y for w, y in zip(ws, ys, strict=True)) / sum(ws)
+    syy = sum(w * (y - my) ** 2 for w, y in zip(ws, ys, strict=True))
+    return WanFit(boot, best, len(xs), 1 - sse / syy if syy > 0 else 1.0)

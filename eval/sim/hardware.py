@@ -76,11 +76,15 @@ class Model:
         return 2e9 * self.params_b * tokens + self.attn_flops_per_pair * pairs
 
 
+SEGMENT_BYTES = 1460  # a TCP segment (Ethernet MTU)
+
+
 @dataclass(frozen=True)
 class Link:
     """The WAN. Transfers share the line fairly; one transfer also runs at most at
-    tcp_window / RTT (a TCP flow's ceiling over a long round trip); every message arrives one
-    one-way delay after it leaves: RTT / 2 plus lognormal jitter (mean `jitter_ms`)."""
+    tcp_window / RTT (a TCP flow's ceiling over a long round trip), and with `ramp_flows` at a
+    rate that climbs from idle as TCP's does; every message arrives one one-way delay after it
+    leaves: RTT / 2 plus lognormal jitter (mean `jitter_ms`)."""
 
     gbit_s: float
     rtt_ms: float
@@ -89,6 +93,10 @@ class Link:
     tcp_window_mb: float | None = None  # None: one flow can fill the line
     loss: float = 0.0  # fraction of bytes sent twice
     init_window_kb: float = 14.6  # TCP's first window (10 segments): slow start after idle
+    # A transfer that starts after idle on this many TCP flows, each at its first window and
+    # one segment more each round trip (congestion avoidance), up to the ceiling. None: it
+    # starts at the ceiling.
+    ramp_flows: float | None = None
 
     def __post_init__(self) -> None:
         if self.gbit_s <= 0 or self.rtt_ms < 0 or self.jitter_ms < 0:
@@ -97,6 +105,8 @@ class Link:
             raise ValueError("link: loss must be in [0, 1)")
         if self.tcp_window_mb is not None and self.tcp_window_mb <= 0:
             raise ValueError("link: tcp_window_mb must be > 0")
+        if self.ramp_flows is not None and self.ramp_flows <= 0:
+            raise ValueError("link: ramp_flows must be > 0")
 
     @property
     def bytes_per_s(self) -> float:
@@ -110,6 +120,27 @@ class Link:
             return self.bytes_per_s
         window = self.tcp_window_mb * 2**20 / (self.rtt_ms / 1000) * (1 - self.loss)
         return min(self.bytes_per_s, window)
+
+    def ramp_bytes_per_s(self, elapsed_s: float) -> float:
+        """A transfer's ceiling `elapsed_s` after it started: stepped once a round trip."""
+        ceiling = self.flow_bytes_per_s
+        if self.ramp_flows is None or self.rtt_ms == 0:
+            return ceiling
+        rtt = self.rtt_ms / 1000
+        rounds = math.floor(elapsed_s / rtt + 1e-9)
+        window = self.ramp_flows * (self.init_window_kb * 1000 + rounds * SEGMENT_BYTES)
+        return min(ceiling, window / rtt)
+
+    def alone_s(self, nbytes: float) -> float:
+        """One transfer alone on the line: until its last byte leaves."""
+        ceiling, rtt = self.flow_bytes_per_s, self.rtt_ms / 1000
+        t, left = 0.0, float(nbytes)
+        while True:
+            rate = self.ramp_bytes_per_s(t)
+            if rate >= ceiling or left <= rate * rtt:
+                return t + left / rate
+            left -= rate * rtt
+            t += rtt
 
     def jitter_s(self, rng: random.Random) -> float:
         if self.jitter_ms == 0:

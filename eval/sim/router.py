@@ -51,11 +51,16 @@ class RouterView:
         learnt = self.prefill_speed.prefill_s(uncached)
         return learnt if learnt is not None or not self.cfg.warm_estimates else true_s
 
+    def seen(self, cached: int) -> int:
+        """A cached prefix as the router sees it: whole blocks (`ClusterConfig.cache_block`)."""
+        return cached // self.cfg.cache_block * self.cfg.cache_block
+
     def choose(self, req: SimRequest, md_hit: int, md: int, rld: int,
                prefill_s: float | None, now: float) -> tuple[PathChoice, float | None]:  # fmt: skip
         """The path for a request (auto, as the router decides it) and P->MD's predicted first
         token from compute and transfer alone (what its residual is measured against)."""
         cfg, wan = self.cfg, self.wan[md]
+        md_hit = self.seen(md_hit)
         extra = self.first_token[md].value(now) if cfg.first_token_extra else 0.0
         signals = Signals(
             prompt_tokens=req.prompt_tokens,

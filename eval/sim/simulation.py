@@ -12,10 +12,11 @@ random stream (WAN jitter only). Four deployment kinds:
 What is modelled:
 - P instances run FIFO prefill batches (up to `prefill_batch_tokens` new tokens; a longer prompt
   runs alone); the step time is the roofline of `costs.StepCosts`. P produces output token 0.
-  A P->MD request reaches P's queue `md_bootstrap_s` after it arrived (MD's bootstrap); on
-  P->RLD->MD, MD's KV leaves no earlier than that. With `shared_host_s` (the testbed: all
-  servers on one CPU), a first token reaches the client that much later per request decoding
-  anywhere.
+  A P->MD request reaches P's queue `md_bootstrap_s` after it arrived (MD's bootstrap). On
+  P->RLD->MD the router feeds MD once P answered, by a second request to P (its last token
+  recomputed over the cached prompt), which P takes no earlier than MD's bootstrap ends; that
+  forward's KV then crosses. With `shared_host_s` (the testbed: all servers on one CPU), a
+  first token reaches the client that much later per request decoding anywhere.
 - Decode instances (D, RLD, MD) run continuous batching: every step produces one token for each
   running request. MD's handoffs run as pdd.srt.main_decode runs them: the CHUNKs and HANDOFFs
   that arrived during a step are acted on before the next one, in one extend forward for all
@@ -24,11 +25,16 @@ What is modelled:
   whose input is its last handed-over token (MD recomputes the others). A request is admitted
   when a slot (`max_batch`) and KV memory for its prompt and output are free, else it waits (a
   cached prefix counts too: each agent session's context is its own, not shared between
-  requests). Its first token is streamed when it joins a step (after the one running).
-- The WAN shares its line fairly between concurrent KV transfers, each capped at the TCP flow
-  rate; every message also takes one sampled one-way delay. Control messages (READY, chunks,
-  ACKs, HANDOFF) take one one-way delay and no bandwidth. RDMA (P -> RLD, P -> D) is not
-  contended: latency + bytes / interconnect.
+  requests). KV that lands during a forward is taken in when it ends (SGLang's loop polls
+  transfers between forwards: MD's READY leaves then). A request's first token is streamed
+  when it joins a step (after the one running).
+- The WAN shares its line max-min fairly between concurrent KV transfers, each capped at the
+  TCP flow rate, or with `Link.ramp_flows` at a rate that ramps from idle as TCP's does (the
+  testbed's); every message also takes one sampled one-way delay. Control messages (READY,
+  chunks, ACKs, HANDOFF) take one one-way delay and no bandwidth. RDMA (P -> RLD, P -> D) is
+  not contended: latency + bytes / interconnect.
+- The router sees MD's and P's cached prefixes in whole `cache_block`s, as its cache sync and
+  P index do: its transfer and compute estimates count a partial block as uncached.
 - The user and the router sit in datacenter A: what RLD streams is seen at once, what MD streams
   one one-way delay later (sampled once per request).
 - MD's decode-side cache: a request's MD hit is its own `md_cached_tokens` when given (a
@@ -41,7 +47,7 @@ What is modelled:
   the roofline of all its chips.
 Not modelled: P-side cache effects beyond the given cached tokens, tensor-parallel
 communication, preemption/retraction, per-session cache state, TCP slow start in the cluster
-(connections stay warm), MD's handoff batching window (`--pdd-handoff-batch-ms`, default 0),
+unless `ramp_flows` is set, MD's handoff batching window (`--pdd-handoff-batch-ms`, default 0),
 failures.
 """
 
@@ -120,7 +126,7 @@ class Simulation:
         if cfg.kind == "pdd":
             st.rld = router.pick("RLD")
             true_s = self.p[st.p].costs.prefill_s(*prefill_job(req))
-            prefill = router.prefill_s(req.prompt_tokens - req.cached_tokens, true_s)
+            prefill = router.prefill_s(req.prompt_tokens - router.seen(req.cached_tokens), true_s)
             choice, st.direct_base_s = router.choose(req, st.md_hit, st.md, st.rld, prefill,
                                                      self.clock.now)  # fmt: skip
             st.path, st.reason = choice.path, choice.reason
@@ -160,9 +166,17 @@ class Simulation:
             st.stream_delay_s = cfg.link.one_way_s(self.rng)
             st.wan_bytes = (req.prompt_tokens - st.md_hit) * kvb
             st.wan_sent_s = now
-            # P->RLD->MD: MD's bootstrap ran beside RLD's part; the KV waits for it to end.
-            start = max(now, req.arrival_s + cfg.md_bootstrap_s)
-            self.clock.at(start, self.wan.send, st.wan_bytes, lambda: self._to_main(st))
+            if st.rld is None:  # P->MD: this forward was MD's
+                self._send_to_main(st)
+            else:
+                # P->RLD->MD: the router feeds MD now, a second request to P (pdd_request.
+                # _maybe_feed_main) that P takes once MD's bootstrap, begun on arrival, is done.
+                start = max(now, req.arrival_s + cfg.md_bootstrap_s)
+                self.clock.at(start, self.p[st.p].feed, st, self._send_to_main)
+
+    def _send_to_main(self, st: RequestState) -> None:
+        if not st.finished and st.md is not None:
+            self.wan.send(st.wan_bytes, lambda: self._to_main(st))
 
     def _rdma_s(self, src: StepCosts, dst: StepCosts, nbytes: float) -> float:
         rate = min(src.send_bytes_s, dst.send_bytes_s)
@@ -232,11 +246,6 @@ class Simulation:
                     lambda s: self._first_token(s.st, s.st.stream_delay_s))  # fmt: skip
         st.md_slot = slot
         self.md[st.md].request(slot)
-        if st.path == "main" and self.cfg.kind != "same-dc":
-            # MD's READY: the router learns the WAN from it on P->MD too (time since it sent
-            # P the request, less P's compute).
-            t = self.clock.now + self.cfg.link.one_way_s(self.rng)
-            self.clock.at(t, self._main_ready, st)
 
     def _main_ready(self, st: RequestState) -> None:
         if st.md is not None:
@@ -250,6 +259,11 @@ class Simulation:
         st = slot.st
         assert st.md is not None
         self.md[st.md].run(slot, 1, st.req.prompt_tokens)
+        if self.cfg.kind != "same-dc":
+            # MD's READY: the router learns the WAN from it on P->MD too (time since it sent
+            # P the request, less P's compute).
+            t = self.clock.now + self.cfg.link.one_way_s(self.rng)
+            self.clock.at(t, self._main_ready, st)
 
     def _main_finished(self, slot: Slot) -> None:
         st = slot.st

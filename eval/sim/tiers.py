@@ -100,6 +100,9 @@ def prefill_job(req: SimRequest) -> tuple[int, int]:
     return new, req.prompt_tokens - new
 
 
+Job = tuple[RequestState, tuple[int, int], Callable[[RequestState], None]]  # (new, cached)
+
+
 class Prefill:
     def __init__(
         self,
@@ -110,36 +113,45 @@ class Prefill:
     ) -> None:
         self.clock, self.costs, self.budget = clock, costs, budget
         self.on_prefilled = on_prefilled
-        self.queue: deque[RequestState] = deque()
+        self.queue: deque[Job] = deque()
         self.busy = False
         self.busy_s = 0.0
         self.last_s = 0.0  # when its last forward ended
 
     def submit(self, st: RequestState) -> None:
-        self.queue.append(st)
+        """The request's prefill; `on_prefilled` when done."""
+        self._queue((st, prefill_job(st.req), self.on_prefilled))
+
+    def feed(self, st: RequestState, done: Callable[[RequestState], None]) -> None:
+        """A second request for a prompt P holds (the router feeding MD on P->RLD->MD): P
+        recomputes its last token and sends the KV; `done` when that forward ends."""
+        n = st.req.prompt_tokens
+        self._queue((st, (1, n - 1), done))
+
+    def _queue(self, job: Job) -> None:
+        self.queue.append(job)
         if not self.busy:
             self._start()
 
     def _start(self) -> None:
-        batch: list[RequestState] = []
+        batch: list[Job] = []
         new = 0
         while self.queue:
-            n = prefill_job(self.queue[0].req)[0]
+            n = self.queue[0][1][0]
             if batch and new + n > self.budget:
                 break
             batch.append(self.queue.popleft())
             new += n
-        jobs = [prefill_job(s.req) for s in batch]
-        dt = self.costs.prefill_batch_s(jobs)
+        dt = self.costs.prefill_batch_s([job for _, job, _ in batch])
         self.busy = True
         self.busy_s += dt
         self.last_s = self.clock.now + dt
         self.clock.at(self.last_s, self._done, batch)
 
-    def _done(self, batch: list[RequestState]) -> None:
+    def _done(self, batch: list[Job]) -> None:
         self.busy = False
-        for st in batch:
-            self.on_prefilled(st)
+        for st, _, done in batch:
+            done(st)
         if self.queue:
             self._start()
 
@@ -196,6 +208,10 @@ class Decode:
         self._admit()
 
     def _admit(self) -> None:
+        """Takes in waiting requests. SGLang's loop polls transfers between forwards: KV that
+        lands during one is taken in (and MD's READY sent) when it ends."""
+        if self.stepping:
+            return
         cap = self.costs.kv_capacity_tokens
         while self.waiting:
             slot = self.waiting[0]
@@ -296,6 +312,7 @@ class Decode:
         self.joining = []
         if not self.batch:  # only extends ran (chunks of parked requests): no decode step
             self.stepping = False
+            self._admit()
             self._kick()
             return
         self._busy(self.costs.decode_step_s(self.batch, self.kv))
@@ -314,5 +331,6 @@ class Decode:
             if slot.active and slot.running:
                 self.release(slot)
                 slot.on_finish(slot)
+        self._admit()
         if not self.kicked:
             self._start()  # back to back: no extra event per step

@@ -5,18 +5,28 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
 from pdd.eval.sim.clock import Clock
 from pdd.eval.sim.hardware import Link
 
 
+@dataclass(eq=False)
+class Transfer:
+    left: float  # bytes
+    on_arrive: Callable[[], None]
+    start: float
+
+
 class Wan:
-    """Processor sharing: n concurrent transfers each get min(flow rate, line / n)."""
+    """Max-min fair sharing of the line: each transfer gets at most its ceiling
+    (`Link.ramp_bytes_per_s`: the flow rate, or a TCP ramp after idle), the others share what it
+    leaves. Rates hold between events: a transfer's start or end, a ramp's next round trip."""
 
     def __init__(self, clock: Clock, rng: random.Random, link: Link) -> None:
         self.clock, self.rng, self.link = clock, rng, link
-        self.flows: dict[int, list[Any]] = {}  # id -> [bytes left, on_arrive]
+        self.flows: dict[int, Transfer] = {}
+        self.rates: dict[int, float] = {}
         self._ids = itertools.count()
         self._last = 0.0
         self._version = 0
@@ -24,41 +34,52 @@ class Wan:
         self.last_s = 0.0  # when the last transfer left the line
         self.peak_flows = 0
 
-    def _rate(self) -> float:
-        return min(self.link.flow_bytes_per_s, self.link.bytes_per_s / max(len(self.flows), 1))
+    def _share(self) -> None:
+        now, line = self.clock.now, self.link.bytes_per_s
+        caps = {i: self.link.ramp_bytes_per_s(now - f.start) for i, f in self.flows.items()}
+        self.rates = {}
+        for i in sorted(caps, key=lambda j: caps[j]):
+            self.rates[i] = min(caps[i], line / (len(caps) - len(self.rates)))
+            line -= self.rates[i]
 
     def _advance(self) -> None:
         now = self.clock.now
-        if self.flows:
-            done = (now - self._last) * self._rate()
-            for f in self.flows.values():
-                f[0] -= done
+        for i, f in self.flows.items():
+            f.left -= (now - self._last) * self.rates.get(i, 0.0)
         self._last = now
 
     def send(self, nbytes: float, on_arrive: Callable[[], None]) -> None:
         self._advance()
         self.sent += nbytes
-        self.flows[next(self._ids)] = [float(nbytes), on_arrive]
+        self.flows[next(self._ids)] = Transfer(float(nbytes), on_arrive, self.clock.now)
         self.peak_flows = max(self.peak_flows, len(self.flows))
         self._reschedule()
 
     def _reschedule(self) -> None:
         self._version += 1
-        if self.flows:
-            fid = min(self.flows, key=lambda i: self.flows[i][0])
-            left = max(self.flows[fid][0], 0.0)
-            t = self.clock.now + left / self._rate()
-            self.clock.at(t, self._complete, self._version, fid)
+        self._share()
+        if not self.flows:
+            return
+        now = self.clock.now
+        t = min(now + max(f.left, 0.0) / self.rates[i] for i, f in self.flows.items())
+        rtt, ceiling = self.link.rtt_ms / 1000, self.link.flow_bytes_per_s
+        for f in self.flows.values():
+            if self.link.ramp_flows is not None and rtt > 0:
+                elapsed = now - f.start
+                if self.link.ramp_bytes_per_s(elapsed) < ceiling:  # its next step
+                    t = min(t, f.start + (int(elapsed / rtt + 1e-9) + 1) * rtt)
+        self.clock.at(t, self._update, self._version)
 
-    def _complete(self, version: int, fid: int) -> None:
+    def _update(self, version: int) -> None:
         if version != self._version:
             return
         self._advance()
         now = self.clock.now
-        tolerance = max(1.0, self._rate() * 1e-9)  # float error must not stall the clock
-        done = [i for i, f in self.flows.items() if i == fid or f[0] <= tolerance]
-        self.last_s = now
+        tolerance = max(1.0, max(self.rates.values()) * 1e-9)  # float error must not stall
+        done = [i for i, f in self.flows.items() if f.left <= tolerance]
+        if done:
+            self.last_s = now
         for i in done:
-            _, on_arrive = self.flows.pop(i)
-            self.clock.at(now + self.link.one_way_s(self.rng), on_arrive)
+            f = self.flows.pop(i)
+            self.clock.at(now + self.link.one_way_s(self.rng), f.on_arrive)
         self._reschedule()
