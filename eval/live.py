@@ -62,6 +62,7 @@ from pdd.launch.router import RouterService
 from pdd.launch.testbed import Testbed, add_flow_window_argument
 from pdd.launch.wan import LinkParams
 from pdd.models.kv import DTYPE_BYTES, kv_bytes_per_token
+from pdd.policy.path import PathPolicy
 
 
 @dataclass(frozen=True)
@@ -378,7 +379,12 @@ def main(argv: list[str] | None = None) -> int:
         tb.down()
 
     meta = {
-        "args": {**{k: str(v) for k, v in vars(args).items()}, "rate": str(args.pace_rates[0])},
+        # The routers' RLD-alone limit (their default) too: sim --calibrate replays with it.
+        "args": {
+            **{k: str(v) for k, v in vars(args).items()},
+            "rate": str(args.pace_rates[0]),
+            "singular_max_new": str(PathPolicy.singular_max_new),
+        },
         "link": {"rate_mbit": args.rate_mbit, "delay_ms": args.delay_ms},
         "model": {
             "name": args.model.name,
