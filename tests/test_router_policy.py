@@ -144,17 +144,23 @@ def check_at(
     return got["meta_info"]["pdd"]
 
 
+def learnt_mds(setup: Setup) -> int:
+    return sum(bool(m["wan"]["mbit_per_s"]) for m in setup.status()["instances"]["main"])
+
+
 def test_fresh_prompts_with_long_answers_are_relayed_then_handed_off(setup: Setup) -> None:
-    # Nothing measured yet: the safe path. The first transfer teaches the router the WAN.
-    ids = random_ids(1000, seed=1)
-    meta = check(setup, ids, LONG, pdd_hold_relay=HOLD)
-    assert meta["path"] == "P->RLD->MD" and meta["handoff_mode"] is not None, meta
-    assert meta["relay_tokens"] == HOLD and meta["main_tokens"] == LONG - HOLD, meta
-    # Measured now: a fresh 1000-token prompt needs ~2 s on this WAN, RLD 9 s for its answer.
-    meta = check(setup, random_ids(1000, seed=2), LONG)
-    assert meta["path"] == "P->RLD->MD" and meta["path_reason"].startswith("low hit"), meta
-    wan = setup.status()["instances"]["main"]
-    assert any(m["wan"]["mbit_per_s"] for m in wan), wan
+    # Nothing measured yet: the safe path. Each transfer teaches the router its MD's link; the
+    # router learns each MD on its own, so fresh prompts go on until both MDs have one (the
+    # least loaded MD takes a fresh prompt, ties in turn). RLD holds at HOLD tokens until MD
+    # is ready, so that MD takes part whichever of RLD's decode and the KV is faster.
+    for seed in range(101, 107):
+        meta = check(setup, random_ids(1000, seed=seed), LONG, pdd_hold_relay=HOLD)
+        assert meta["path"] == "P->RLD->MD" and meta["handoff_mode"] is not None, meta
+        assert meta["relay_tokens"] == HOLD and meta["main_tokens"] == LONG - HOLD, meta
+        assert meta["path_reason"].startswith("low hit"), meta  # 1000 fresh tokens: ~2 s
+        if learnt_mds(setup) == len(setup.mains):
+            break
+    assert learnt_mds(setup) == len(setup.mains), setup.status()["instances"]["main"]
 
 
 def test_a_conversations_next_turn_goes_straight_to_the_md_that_holds_it(setup: Setup) -> None:
