@@ -56,7 +56,7 @@ from pdd.eval.replay import replay
 from pdd.eval.report import Record, Run, Sla
 from pdd.eval.workload import TraceRequest, hit_rate_summary, materialize
 from pdd.launch.cli import command_parser
-from pdd.launch.pdd_deploy import RELAY_FRACTION, PDDDeployment
+from pdd.launch.pdd_deploy import RELAY_FRACTION, PDDDeployment, thread_env
 from pdd.launch.process import exit_on_sigterm, free_port, stop_groups
 from pdd.launch.router import RouterService
 from pdd.launch.testbed import Testbed, add_flow_window_argument
@@ -96,7 +96,7 @@ REQUEST_TIMEOUT_S = 600.0
 # One torch thread per server. In production each tier has chips of its own; here P, RLD and MD
 # share the cores, and with a thread per core each (torch's default) every OpenMP barrier of one
 # server waited on a core another server held: MD's steps ran 2.5-3.5x slower while RLD decoded.
-SERVER_ENV = {role: {"OMP_NUM_THREADS": "1"} for role in ("prefill", "relay", "main")}
+SERVER_ENV = thread_env(prefill=1, decode=1)
 
 
 @dataclass

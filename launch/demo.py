@@ -37,7 +37,7 @@ from pathlib import Path
 from pdd.eval.client import sse_events
 from pdd.launch.cli import command_parser
 from pdd.launch.pd_local import format_seconds
-from pdd.launch.pdd_deploy import PDDDeployment
+from pdd.launch.pdd_deploy import PDDDeployment, thread_env
 from pdd.launch.process import exit_on_sigterm
 from pdd.launch.testbed import Testbed, add_flow_window_argument
 from pdd.launch.wan import LinkParams
@@ -267,9 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     tb.down()
     tb.up()
     # Both sessions share the servers; the naive one flushes MD's cache before each turn.
-    threads = {"prefill": args.prefill_threads, "relay": args.decode_threads,
-               "main": args.decode_threads}  # fmt: skip
-    env = {role: {"OMP_NUM_THREADS": str(n)} for role, n in threads.items()}
+    env = thread_env(args.prefill_threads, args.decode_threads)
     router_args = ("--tokenizer", str(args.model), "--served-model-name", MODEL_NAME)
     pdd = PDDDeployment.create(args.model, run_dir, tb.placement("a"), tb.placement("b"),
                                server_env=env, router_args=router_args)  # fmt: skip

@@ -29,6 +29,14 @@ MAIN_MAX_RUNNING = 64  # MD's running requests unless its arguments say otherwis
 RELAY_MIN_POOL = 4096
 
 
+def thread_env(prefill: int, decode: int) -> dict[str, dict[str, str]]:
+    """`PDDDeployment.create`'s server_env giving P `prefill` torch threads and RLD and MD
+    `decode` each: on a testbed whose servers share the cores, more threads than a server's
+    share make every OpenMP barrier wait on a core another server holds."""
+    threads = {"prefill": prefill, "relay": decode, "main": decode}
+    return {role: {"OMP_NUM_THREADS": str(n)} for role, n in threads.items()}
+
+
 def relay_capacity_args(main_args: tuple[str, ...], fraction: float) -> tuple[str, ...]:
     """RLD's --max-running-requests and --max-total-tokens: `fraction` of MD's."""
     if not 0 < fraction <= 1:
