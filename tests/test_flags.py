@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from pdd.srt.flags import ENV_ROLE, ENV_SECRET, PddConfig, add_args, config_from_args
-from pdd.srt.wan_transfer import ENV_FLOWS, adjust_wan_args, flows
+from pdd.srt.wan_transfer import ENV_FLOWS, ENV_RELEASE_HOLD, adjust_wan_args, flows
+from pdd.srt.wan_write import watchdog_s
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -67,6 +68,34 @@ def test_wan_flows_reach_mooncake_unless_the_user_set_its_variables(
     assert os.environ["MC_TCP_LANES_PER_PEER"] == "6"
     assert os.environ["MC_TCP_ENABLE_CONNECTION_POOL"] == "1"
     assert os.environ["MC_TCP_ADMISSION_TIMEOUT_MS"] == "5"  # the user's value stands
+
+
+def test_a_tcp_decoder_holds_abandoned_kv_slots_past_ps_write_watchdog(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    for key in (ENV_RELEASE_HOLD, "MC_FORCE_TCP", "MOONCAKE_PROTOCOL", "PDD_WAN_WRITE_WATCHDOG_S"):
+        monkeypatch.delenv(key, raising=False)
+    tcp = ("--disaggregation-transfer-backend", "mooncake_tcp")
+    for mode in ("null", "prefill"):  # only a decoder frees slots it asked P to fill
+        adjust_wan_args(decoder_args(mode, *tcp))
+        assert ENV_RELEASE_HOLD not in os.environ, mode
+    adjust_wan_args(decoder_args("decode", "--disaggregation-transfer-backend", "mooncake"))
+    assert ENV_RELEASE_HOLD not in os.environ  # RDMA: pdd's write and its watchdog do not run
+    adjust_wan_args(decoder_args("decode", *tcp))
+    hold = float(os.environ[ENV_RELEASE_HOLD])
+    assert hold > watchdog_s(0) >= 360, hold  # SGLang's own default is 30 s
+    monkeypatch.setenv(ENV_RELEASE_HOLD, "45")
+    adjust_wan_args(decoder_args("decode", *tcp))
+    assert os.environ[ENV_RELEASE_HOLD] == "45"  # the user's value stands, with a warning
+    assert "shorter than P's write watchdog" in caplog.text
+
+
+def decoder_args(mode: str, *argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--disaggregation-mode", default="null")
+    parser.add_argument("--disaggregation-transfer-backend", default="mooncake")
+    add_args(parser)
+    return parser.parse_args(["--disaggregation-mode", mode, *argv])
 
 
 def test_wrong_mode_exits_with_a_clear_message() -> None:

@@ -247,6 +247,10 @@ def test_the_watchdog_is_well_beyond_mooncakes_own_limits(monkeypatch: pytest.Mo
     assert ww.watchdog_s(gb) == 7.5
     monkeypatch.setenv("PDD_WAN_WRITE_WATCHDOG_S", "soon")  # ignored, with a warning
     assert ww.watchdog_s(gb) == 2 * (10 + 9 + 5)
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "later")  # every variable read the same way
+    assert ww.deadline_s(0) == 30
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "2")  # Mooncake's own floor for a sync write
+    assert ww.deadline_s(0) == 5
 
 
 def test_stop_process_resets_connections_says_why_and_exits_with_its_code() -> None:

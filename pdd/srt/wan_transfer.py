@@ -29,11 +29,15 @@ from typing import Any
 from sglang.srt.plugins.hook_registry import HookType
 
 from pdd.srt.hooks import Hook
-from pdd.srt.wan_write import MAX_FLOWS, Block, mooncake_env, write
+from pdd.srt.wan_write import MAX_FLOWS, Block, mooncake_env, watchdog_s, write
 
 logger = logging.getLogger(__name__)
 
 ENV_FLOWS = "PDD_WAN_FLOWS"
+# How long a decoder holds the slots of a request whose KV transfer it gave up on, unless P
+# acknowledges the abort first (SGLang's default: 30 s).
+ENV_RELEASE_HOLD = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
+RELEASE_HOLD_MARGIN_S = 60.0  # P's watchdog grows 2 s per GB: covers writes up to 30 GB
 WANT_WINDOW = 16 << 20  # per-flow socket buffer below which start-up warns
 
 
@@ -48,13 +52,18 @@ def flows() -> int:
 
 def adjust_wan_args(args: argparse.Namespace) -> None:
     """Passes `--pdd-wan-flows` to this server's processes and Mooncake (unless the user set
-    Mooncake's variables), and warns when the socket buffers cap each flow low."""
+    Mooncake's variables), makes a decoder hold abandoned KV slots past P's write watchdog, and
+    warns when the socket buffers cap each flow low."""
     n = int(getattr(args, "pdd_wan_flows", MAX_FLOWS))
     os.environ[ENV_FLOWS] = str(n)
     for key, value in mooncake_env(n).items():
         os.environ.setdefault(key, value)
-    if getattr(args, "disaggregation_mode", None) in (None, "null"):
+    mode = getattr(args, "disaggregation_mode", None)
+    if mode in (None, "null"):
         return
+    backend = getattr(args, "disaggregation_transfer_backend", None)
+    if mode == "decode" and (tcp_transport() or backend == "mooncake_tcp"):
+        hold_released_slots()
     for key in ("net.ipv4.tcp_wmem", "net.ipv4.tcp_rmem"):
         window = _sysctl_max(key)
         if window is not None and window < WANT_WINDOW:
@@ -63,6 +72,26 @@ def adjust_wan_args(args: argparse.Namespace) -> None:
                 "Gbit/s at 50 ms RTT. For a long fat WAN raise it, e.g. sysctl -w %s=\"4096 "
                 "131072 %d\" (docs/wan.md)", key, window / 2**20, n,
                 n * window * 8 / 0.05 / 1e9, key, WANT_WINDOW)  # fmt: skip
+
+
+def hold_released_slots() -> None:
+    """A decoder that gave up on a request's KV frees its slots once P acknowledges the abort,
+    or after ENV_RELEASE_HOLD. P's write can still deliver pieces until its watchdog
+    (`wan_write.watchdog_s`, 6 minutes by default) ends P: the hold must outlast that, or a late
+    piece lands in slots another request owns (docs/wan.md, "When a write fails")."""
+    floor = watchdog_s(0) + RELEASE_HOLD_MARGIN_S
+    given = os.environ.get(ENV_RELEASE_HOLD)
+    if given is None:
+        os.environ[ENV_RELEASE_HOLD] = f"{floor:g}"
+        return
+    try:
+        short = float(given) < floor
+    except ValueError:
+        short = True
+    if short:
+        logger.warning("pdd: %s=%s is shorter than P's write watchdog (%gs): a KV piece of a "
+                       "request this decoder gave up on can still land after its slots are "
+                       "reused", ENV_RELEASE_HOLD, given, floor)  # fmt: skip
 
 
 def _sysctl_max(key: str) -> int | None:

@@ -81,11 +81,7 @@ def pieces(blocks: Sequence[Block], n: int) -> list[Block]:
 def deadline_s(nbytes: int) -> float:
     """How long Mooncake's own synchronous write allows (MC_TRANSFER_TIMEOUT seconds, at least 5,
     default 30, plus a second per GB): a write still running past it is slow, not yet stuck."""
-    try:
-        base = max(5, int(os.environ.get("MC_TRANSFER_TIMEOUT") or 30))
-    except ValueError:
-        base = 30
-    return base + nbytes / 1e9
+    return max(5.0, _env_seconds("MC_TRANSFER_TIMEOUT", 30.0)) + nbytes / 1e9
 
 
 def watchdog_s(nbytes: int) -> float:
