@@ -121,21 +121,105 @@ def test_router_addresses_each_instance_and_advertises_its_own_pod_ip(base: Path
     assert deployment["spec"]["replicas"] == 2
 
 
-def test_md_control_port_admits_only_the_routers(base: Path) -> None:
-    policy = find(objects(example(), base)["b"], "NetworkPolicy", "pdd-main-control")
-    control, others = policy["spec"]["ingress"]
-    assert control["ports"] == [{"protocol": "TCP", "port": 7500}]
-    assert control["from"] == [{"ipBlock": {"cidr": "10.10.0.0/16"}}]  # datacenter a's routers
-    assert "from" not in others
-    covered = [(r["port"], r.get("endPort", r["port"])) for r in others["ports"]]
-    assert covered == [(1, 7499), (7501, 65535)]
-    # Routers in MD's own datacenter are selected by label instead.
+LABELS = {"app.kubernetes.io/name": "pdd"}
+A, B = [{"ipBlock": {"cidr": "10.10.0.0/16"}}], [{"ipBlock": {"cidr": "10.20.0.0/16"}}]
+EPHEMERAL, MOONCAKE = (32768, 60999), (15000, 17000)
+
+
+def pods(role: str) -> list[dict[str, Any]]:
+    """A policy's peer: the pods of `role` in the policy's own datacenter, by label."""
+    return [{"podSelector": {"matchLabels": LABELS | {"app.kubernetes.io/component": role}}}]
+
+
+def rules(policy: dict[str, Any], role: str) -> list[tuple[Any, list[tuple[int, int]]]]:
+    """A policy's ingress rules, as (peers or None for anyone, [(first port, last port)]), after
+    checking that it selects the pods of `role` and isolates them for ingress."""
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"] == LABELS | {"app.kubernetes.io/component": role}
+    assert spec["policyTypes"] == ["Ingress"]
+    out = []
+    for rule in spec["ingress"]:
+        assert all(p["protocol"] == "TCP" for p in rule["ports"])
+        ports = [(p["port"], p.get("endPort", p["port"])) for p in rule["ports"]]
+        out.append((rule.get("from"), ports))
+    return out
+
+
+def test_each_server_port_admits_only_the_pods_that_connect_to_it(base: Path) -> None:
+    """Datacenter a holds P, RLD and the routers, b holds MD: peers in a policy's own datacenter
+    are named by label, those of the other by its egress_cidrs."""
+    out = objects(example(), base)
+    p = rules(find(out["a"], "NetworkPolicy", "pdd-prefill"), "prefill")
+    assert p == [
+        # HTTP: the routers, and the decoders (SGLang re-runs a retracted request's prefill).
+        (pods("router") + pods("relay") + B, [(30000, 30000)]),
+        # The bootstrap server and P's KV-transfer ZMQ sockets: the decoders.
+        (pods("relay") + B, [(8998, 8998), EPHEMERAL]),
+    ]
+    rld = rules(find(out["a"], "NetworkPolicy", "pdd-relay"), "relay")
+    assert rld == [
+        (pods("router"), [(30001, 30001)]),
+        (pods("prefill"), [EPHEMERAL, MOONCAKE]),  # P's status messages and KV writes
+    ]
+    md = rules(find(out["b"], "NetworkPolicy", "pdd-main"), "main")
+    assert md == [(A, [(30002, 30002)]), (A, [EPHEMERAL, MOONCAKE]), (A, [(7500, 7500)])]
+    # Every port a server declares is admitted by some rule; single-node instances get no
+    # policy of their own.
+    for dc, objs in out.items():
+        admitted = {
+            port
+            for o in objs
+            if o["kind"] == "NetworkPolicy"
+            for rule in o["spec"]["ingress"]
+            for p in rule["ports"]
+            for port in range(p["port"], p.get("endPort", p["port"]) + 1)
+        }
+        for sts in (o for o in objs if o["kind"] == "StatefulSet"):
+            [container] = sts["spec"]["template"]["spec"]["containers"]
+            assert {p["containerPort"] for p in container["ports"]} <= admitted, (dc, sts)
+    assert not [n for dc in out for o in out[dc] if o["kind"] == "NetworkPolicy"
+                and (n := o["metadata"]["name"]).endswith("-nodes")]  # fmt: skip
+
+
+def test_the_router_serves_clients_and_admits_only_md_on_its_control_port(base: Path) -> None:
+    router = rules(find(objects(example(), base)["a"], "NetworkPolicy", "pdd-router"), "router")
+    assert router == [(None, [(8000, 8000)]), (B, [(7600, 7600)])]  # clients from anywhere
+    doc = example()
+    doc["router"]["client_cidrs"] = ["192.0.2.0/24"]
+    router = rules(find(objects(doc, base)["a"], "NetworkPolicy", "pdd-router"), "router")
+    assert router[0] == ([{"ipBlock": {"cidr": "192.0.2.0/24"}}], [(8000, 8000)])
+
+
+def test_routers_in_mds_datacenter_are_named_by_label_there_and_by_cidr_elsewhere(
+    base: Path,
+) -> None:
     doc = example()
     doc["router"]["datacenter"] = "b"
     doc["relay"]["wan_addresses"] = ["r0.dc-a.example.com"]
-    policy = find(objects(doc, base)["b"], "NetworkPolicy", "pdd-main-control")
-    labels = policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
-    assert labels["app.kubernetes.io/component"] == "router"
+    out = objects(doc, base)
+    md = rules(find(out["b"], "NetworkPolicy", "pdd-main"), "main")
+    assert md[0] == (pods("router"), [(30002, 30002)]) and md[2] == (pods("router"), [(7500, 7500)])
+    # P's HTTP port: routers and MD both come from b, named once.
+    p = rules(find(out["a"], "NetworkPolicy", "pdd-prefill"), "prefill")
+    assert p[0] == (B + pods("relay"), [(30000, 30000)])
+    router = rules(find(out["b"], "NetworkPolicy", "pdd-router"), "router")
+    assert router[1] == (pods("main"), [(7600, 7600)])
+
+
+def test_server_pods_pin_the_ports_the_policies_name(base: Path) -> None:
+    """Mooncake's handshake and data ports come from MC_MIN/MAX_RPC_PORT; the ZMQ sockets from
+    the pod's ephemeral port range."""
+    doc = example()
+    doc["mooncake_ports"] = {"min": 20000, "max": 20015}
+    out = objects(doc, base)
+    for dc, name in (("a", "pdd-prefill-0"), ("a", "pdd-relay-0"), ("b", "pdd-main-1")):
+        pod = find(out[dc], "StatefulSet", name)["spec"]["template"]["spec"]
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert env["MC_MIN_RPC_PORT"] == "20000" and env["MC_MAX_RPC_PORT"] == "20015"
+        sysctls = pod["securityContext"]["sysctls"]
+        assert sysctls == [{"name": "net.ipv4.ip_local_port_range", "value": "32768 60999"}]
+    md = rules(find(out["b"], "NetworkPolicy", "pdd-main"), "main")
+    assert md[1] == (A, [EPHEMERAL, (20000, 20015)])
 
 
 def test_multi_node_instance_takes_its_node_rank_from_the_pod_ordinal(base: Path) -> None:
@@ -158,8 +242,16 @@ def test_multi_node_instance_takes_its_node_rank_from_the_pod_ordinal(base: Path
     argv = run.stdout.splitlines()
     assert run.returncode == 0 and argv[argv.index("--node-rank") + 1] == "1", run
     assert argv[argv.index("--model-path") + 1] == "/models/Qwen 2.5"
+    # The nodes of an instance reach each other on any port (NCCL, Gloo, dist-init), and no
+    # other instance's pods do.
+    nodes = find(out["b"], "NetworkPolicy", "pdd-main-0-nodes")["spec"]
+    instance = LABELS | {"app.kubernetes.io/component": "main", "pdd.dev/instance": "pdd-main-0"}
+    assert nodes["podSelector"]["matchLabels"] == instance
+    assert nodes["ingress"] == [{"from": [{"podSelector": {"matchLabels": instance}}]}]
     p = find(out["a"], "StatefulSet", "pdd-prefill-0")
     assert p["spec"]["replicas"] == 1 and "--nnodes" not in sglang_command(p)
+    assert not [o for o in out["a"] if o["metadata"]["name"] == "pdd-prefill-0-nodes"
+                and o["kind"] == "NetworkPolicy"]  # fmt: skip
     [container] = p["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "4"}
 
@@ -171,6 +263,11 @@ def _without(doc: dict[str, Any], key: str) -> dict[str, Any]:
 
 def _set(doc: dict[str, Any], tier: str, key: str, value: Any) -> dict[str, Any]:
     doc[tier][key] = value
+    return doc
+
+
+def _with(doc: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
+    doc[key] = value
     return doc
 
 
@@ -188,6 +285,30 @@ BAD = {
     "unknown datacenter": (lambda: _set(example(), "main", "datacenter", "c"), "main.datacenter"),
     "md unreachable": (lambda: _set(example(), "main", "wan_addresses", []), "main.wan_addresses"),
     "env not strings": (lambda: _set(example(), "main", "env", {"A": 1}), "main.env"),
+    "env the render sets": (
+        lambda: _set(example(), "relay", "env", {"MC_MIN_RPC_PORT": "20000"}),
+        "relay.env",
+    ),  # fmt: skip
+    "no cidrs for md's datacenter": (
+        lambda: _set(example(), "datacenters", "b", {"namespace": "pdd"}),
+        "datacenters.b.egress_cidrs",
+    ),  # fmt: skip
+    "bad client cidr": (
+        lambda: _set(example(), "router", "client_cidrs", ["10.0.0.0/33"]),
+        "router.client_cidrs",
+    ),  # fmt: skip
+    "mooncake ports in the ephemeral range": (
+        lambda: _with(example(), "mooncake_ports", {"min": 30000, "max": 40000}),
+        "mooncake_ports",
+    ),  # fmt: skip
+    "mooncake ports fewer than a pod's engines": (
+        lambda: _with(example(), "mooncake_ports", {"min": 20000, "max": 20014}),
+        "mooncake_ports",
+    ),  # fmt: skip
+    "a port in the mooncake range": (
+        lambda: _set(example(), "relay", "port", 16000),
+        "relay.port",
+    ),  # fmt: skip
     "wrong address count": (
         lambda: _set(example(), "prefill", "wan_addresses", ["p0"]),
         "prefill.wan_addresses",

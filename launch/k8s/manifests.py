@@ -5,18 +5,19 @@ the pods' DNS (SGLang's `--dist-init-addr` is pod 0's) and a Service that reache
 where SGLang serves HTTP. Pods advertise their pod IP to Mooncake (`SGLANG_HOST_IP`), so KV
 flows pod to pod: P's and MD's pod IPs must be routable between the datacenters (a flat
 network, a cluster mesh, or `hostNetwork` added by hand). The routers are a Deployment; each
-advertises its own pod IP as the address MD sends READY and ACK to.
+advertises its own pod IP as the address MD sends READY and ACK to. NetworkPolicies
+(`policies.py`) admit on each port only the pods that connect to it.
 """
 
 from __future__ import annotations
 
 import base64
 import shlex
-from typing import Any
 
-from pdd.launch.k8s.spec import Spec, Tier
+from pdd.launch.k8s.labels import Obj, instance_name, meta, selector
+from pdd.launch.k8s.policies import policies
+from pdd.launch.k8s.spec import EPHEMERAL_PORTS, Spec, Tier
 
-Obj = dict[str, Any]
 SECRET_DIR = "/etc/pdd"
 SECRET_KEY = "control.secret"
 MODEL_DIR = "/models"
@@ -24,20 +25,6 @@ MODEL_DIR = "/models"
 STARTUP_S = 1800
 PROBE_PERIOD_S = 10
 NODE_RANK = "<node rank>"  # in a pod's command line: its ordinal, which the shell substitutes
-
-
-def _meta(spec: Spec, name: str, namespace: str, role: str) -> Obj:
-    labels = {"app.kubernetes.io/name": spec.name, "app.kubernetes.io/component": role}
-    return {"name": name, "namespace": namespace, "labels": labels}
-
-
-def _selector(spec: Spec, role: str, instance: str | None = None) -> dict[str, str]:
-    sel = {"app.kubernetes.io/name": spec.name, "app.kubernetes.io/component": role}
-    return sel | ({"pdd.dev/instance": instance} if instance else {})
-
-
-def instance_name(spec: Spec, tier: Tier, i: int) -> str:
-    return f"{spec.name}-{tier.role}-{i}"
 
 
 def instance_url(spec: Spec, tier: Tier, i: int, from_dc: str) -> str:
@@ -54,7 +41,7 @@ def _secret(spec: Spec, namespace: str) -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _meta(spec, f"{spec.name}-control", namespace, "control-secret"),
+        "metadata": meta(spec, f"{spec.name}-control", namespace, "control-secret"),
         "type": "Opaque",
         "data": {SECRET_KEY: base64.b64encode(spec.secret).decode()},
     }
@@ -145,6 +132,9 @@ def _server(spec: Spec, tier: Tier, i: int) -> list[Obj]:
         "env": [
             # Mooncake tells its peers this address: the pod's own, routable across the WAN.
             {"name": "SGLANG_HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            # Mooncake's handshake and data ports, where the NetworkPolicies expect them.
+            {"name": "MC_MIN_RPC_PORT", "value": str(spec.mooncake_ports[0])},
+            {"name": "MC_MAX_RPC_PORT", "value": str(spec.mooncake_ports[1])},
             *({"name": k, "value": v} for k, v in tier.env.items()),
         ],
         "ports": ports,
@@ -154,20 +144,28 @@ def _server(spec: Spec, tier: Tier, i: int) -> list[Obj]:
         "livenessProbe": _probe(tier, "/ping", 3),
         "readinessProbe": _probe(tier, "/health", 3),
     }
-    selector = _selector(spec, tier.role, name)
+    labels = selector(spec, tier.role, name)
+    # SGLang's KV-transfer sockets take kernel-chosen ports: pinned to the range the
+    # NetworkPolicies admit them on.
+    low, high = EPHEMERAL_PORTS
+    ephemeral = {"name": "net.ipv4.ip_local_port_range", "value": f"{low} {high}"}
     statefulset = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": _meta(spec, name, ns, tier.role),
+        "metadata": meta(spec, name, ns, tier.role),
         "spec": {
             "serviceName": f"{name}-nodes",
             "replicas": tier.nodes,
             # Every node of a multi-node instance must start together to form the TP group.
             "podManagementPolicy": "Parallel",
-            "selector": {"matchLabels": selector},
+            "selector": {"matchLabels": labels},
             "template": {
-                "metadata": {"labels": selector},
-                "spec": {"containers": [container], "volumes": volumes}
+                "metadata": {"labels": labels},
+                "spec": {
+                    "containers": [container],
+                    "volumes": volumes,
+                    "securityContext": {"sysctls": [ephemeral]},
+                }
                 | ({"nodeSelector": tier.node_selector} if tier.node_selector else {}),
             },
         },
@@ -176,56 +174,24 @@ def _server(spec: Spec, tier: Tier, i: int) -> list[Obj]:
     nodes = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(spec, f"{name}-nodes", ns, tier.role),
+        "metadata": meta(spec, f"{name}-nodes", ns, tier.role),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,  # node 0 must be found before it is ready
-            "selector": selector,
+            "selector": labels,
             "ports": service_ports,
         },
     }
     front = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(spec, name, ns, tier.role),
+        "metadata": meta(spec, name, ns, tier.role),
         "spec": {
-            "selector": selector | {"statefulset.kubernetes.io/pod-name": f"{name}-0"},
+            "selector": labels | {"statefulset.kubernetes.io/pod-name": f"{name}-0"},
             "ports": [p for p in service_ports if p["name"] != "dist-init"],
         },
     }
     return [nodes, front, statefulset]
-
-
-def _main_policy(spec: Spec) -> Obj:
-    """MD's control socket admits routers only; every other port stays open (KV, HTTP, TP)."""
-    md, router = spec.tiers["main"], spec.router
-    assert md.control_port is not None
-    ns = spec.datacenters[md.datacenter].namespace
-    if router.datacenter == md.datacenter:
-        peers: list[Obj] = [{"podSelector": {"matchLabels": _selector(spec, "router")}}]
-    else:
-        cidrs = spec.datacenters[router.datacenter].egress_cidrs
-        peers = [{"ipBlock": {"cidr": c}} for c in cidrs]
-    control = md.control_port
-    others = [(1, control - 1), (control + 1, 65535)]
-    open_ports = [
-        {"protocol": "TCP", "port": lo} | ({"endPort": hi} if hi > lo else {})
-        for lo, hi in others
-        if lo <= hi
-    ]
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": _meta(spec, f"{spec.name}-main-control", ns, "main"),
-        "spec": {
-            "podSelector": {"matchLabels": _selector(spec, "main")},
-            "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": peers, "ports": [{"protocol": "TCP", "port": control}]},
-                {"ports": open_ports},
-            ],
-        },
-    }
 
 
 def router_args(spec: Spec) -> list[str]:
@@ -254,7 +220,7 @@ def router_args(spec: Spec) -> list[str]:
 def _router(spec: Spec) -> list[Obj]:
     r = spec.router
     ns = spec.datacenters[r.datacenter].namespace
-    name, selector = f"{spec.name}-router", _selector(spec, "router")
+    name, labels = f"{spec.name}-router", selector(spec, "router")
     volume, mount = _secret_volume(spec)
     probe = {"httpGet": {"path": "/health", "port": r.port}, "periodSeconds": PROBE_PERIOD_S}
     container = {
@@ -276,12 +242,12 @@ def _router(spec: Spec) -> list[Obj]:
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(spec, name, ns, "router"),
+        "metadata": meta(spec, name, ns, "router"),
         "spec": {
             "replicas": r.replicas,
-            "selector": {"matchLabels": selector},
+            "selector": {"matchLabels": labels},
             "template": {
-                "metadata": {"labels": selector},
+                "metadata": {"labels": labels},
                 "spec": {
                     "containers": [container],
                     "volumes": [volume, {"name": "model", **spec.model_volume}],
@@ -292,14 +258,14 @@ def _router(spec: Spec) -> list[Obj]:
     service = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(spec, name, ns, "router"),
-        "spec": {"selector": selector, "ports": [{"name": "http", "port": r.port}]},
+        "metadata": meta(spec, name, ns, "router"),
+        "spec": {"selector": labels, "ports": [{"name": "http", "port": r.port}]},
     }
     budget = {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _meta(spec, name, ns, "router"),
-        "spec": {"minAvailable": 1, "selector": {"matchLabels": selector}},
+        "metadata": meta(spec, name, ns, "router"),
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": labels}},
     }
     return [deployment, service, budget]
 
@@ -313,6 +279,7 @@ def render(spec: Spec) -> dict[str, list[Obj]]:
     for tier in spec.tiers.values():
         for i in range(tier.count):
             out[tier.datacenter] += _server(spec, tier, i)
-    out[spec.tiers["main"].datacenter].append(_main_policy(spec))
     out[spec.router.datacenter] += _router(spec)
+    for dc, policy in policies(spec):
+        out[dc].append(policy)
     return out

@@ -16,6 +16,14 @@ import yaml
 TIERS = ("prefill", "relay", "main")
 TRANSFER_BACKENDS = ("mooncake_tcp", "mooncake")
 DEFAULT_PORTS = {"prefill": 30000, "relay": 30001, "main": 30002}
+# Where the kernel puts sockets bound to port 0 (SGLang's KV-transfer ZMQ sockets): Linux's
+# default, set on every server pod so that the NetworkPolicies can name it.
+EPHEMERAL_PORTS = (32768, 60999)
+# Mooncake's default range for its handshake and TCP data ports; it takes a range only when
+# both ends lie in 1024-65535 and outside EPHEMERAL_PORTS (else it falls back to this one).
+MOONCAKE_PORTS = (15000, 17000)
+# The pod environment the render sets itself: a tier's `env` must not change it.
+RENDERED_ENV = ("SGLANG_HOST_IP", "MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT")
 
 
 class SpecError(ValueError):
@@ -31,7 +39,7 @@ class Datacenter:
     name: str
     namespace: str
     # Where this datacenter's traffic comes from as the other one sees it (node or egress
-    # addresses): MD's NetworkPolicy admits routers of another datacenter from these.
+    # addresses): the NetworkPolicies admit pods of another datacenter from these.
     egress_cidrs: tuple[str, ...]
 
 
@@ -72,6 +80,8 @@ class Router:
     replicas: int
     port: int
     control_port: int
+    # Who may reach `port` (empty: anyone, as the routers serve the clients there).
+    client_cidrs: tuple[str, ...]
     extra_args: tuple[str, ...]
 
 
@@ -85,6 +95,8 @@ class Spec:
     secret: bytes
     transfer_backend: str
     dist_init_port: int
+    # First and last port Mooncake's engines listen on (its handshake and TCP data ports).
+    mooncake_ports: tuple[int, int]
     datacenters: dict[str, Datacenter]
     tiers: dict[str, Tier]
     router: Router
@@ -123,16 +135,21 @@ def _strings(doc: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _datacenter(name: str, doc: Any) -> Datacenter:
-    where = f"datacenters.{name}"
-    if not isinstance(doc, dict):
-        raise SpecError(where, "must be a mapping")
-    cidrs = _strings(doc, "egress_cidrs", where)
+def _cidrs(doc: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
+    cidrs = _strings(doc, key, where)
     for cidr in cidrs:
         try:
             ipaddress.ip_network(cidr)
         except ValueError as err:
-            raise SpecError(f"{where}.egress_cidrs", str(err)) from None
+            raise SpecError(f"{where}.{key}", str(err)) from None
+    return cidrs
+
+
+def _datacenter(name: str, doc: Any) -> Datacenter:
+    where = f"datacenters.{name}"
+    if not isinstance(doc, dict):
+        raise SpecError(where, "must be a mapping")
+    cidrs = _cidrs(doc, "egress_cidrs", where)
     return Datacenter(name, _get(doc, "namespace", where, str, "pdd"), cidrs)
 
 
@@ -168,8 +185,18 @@ def _tier(role: str, doc: Any, datacenters: dict[str, Datacenter]) -> Tier:
         wan_addresses=wan,
         extra_args=_strings(doc, "extra_args", role),
         node_selector=_string_map(doc, "node_selector", role),
-        env=_string_map(doc, "env", role),
+        env=_env(doc, role),
     )
+
+
+def _env(doc: dict[str, Any], role: str) -> dict[str, str]:
+    env = _string_map(doc, "env", role)
+    for key in RENDERED_ENV:
+        if key in env:
+            raise SpecError(
+                f"{role}.env", f"{key} is set by the render (the pod's IP, mooncake_ports)"
+            )
+    return env
 
 
 def _string_map(doc: dict[str, Any], key: str, where: str) -> dict[str, str]:
@@ -207,12 +234,36 @@ def _check_reachable(spec: Spec) -> None:
             raise SpecError(f"{tier.role}.wan_addresses", "routers reach it across the WAN")
         if tier.datacenter != p.datacenter and not p.wan_addresses:
             raise SpecError("prefill.wan_addresses", f"{tier.role} fetches KV across the WAN")
-    md = spec.tiers["main"]
-    if md.datacenter != router.datacenter and not spec.datacenters[router.datacenter].egress_cidrs:
+    # Each tier talks to every other in both directions (requests, KV, its acknowledgements), so
+    # once the pods span datacenters each of them is a source the other admits.
+    used = {router.datacenter} | {tier.datacenter for tier in spec.tiers.values()}
+    for dc in spec.datacenters.values():
+        if len(used) > 1 and dc.name in used and not dc.egress_cidrs:
+            raise SpecError(
+                f"datacenters.{dc.name}.egress_cidrs",
+                "the NetworkPolicies admit this datacenter's pods elsewhere only from these",
+            )
+
+
+def _mooncake_ports(doc: dict[str, Any], tiers: dict[str, Tier]) -> tuple[int, int]:
+    where = "mooncake_ports"
+    given = doc.get(where, {})
+    if not isinstance(given, dict):
+        raise SpecError(where, "must be a mapping: min, max")
+    low = _port(given, "min", where, MOONCAKE_PORTS[0])
+    high = _port(given, "max", where, MOONCAKE_PORTS[1])
+    if low < 1024 or low > high or (high >= EPHEMERAL_PORTS[0] and low <= EPHEMERAL_PORTS[1]):
         raise SpecError(
-            f"datacenters.{router.datacenter}.egress_cidrs",
-            "MD's control socket admits routers of another datacenter only from these",
+            where,
+            f"{low}-{high} must lie in 1024-65535, clear of the ephemeral ports "
+            f"{EPHEMERAL_PORTS[0]}-{EPHEMERAL_PORTS[1]} the ZMQ sockets take (Mooncake ignores "
+            "a range with an end among them)",
         )
+    # Every chip of a pod runs an engine with a handshake and a TCP data port.
+    need = 2 * max(tier.chips_per_pod for tier in tiers.values())
+    if high - low + 1 < need:
+        raise SpecError(where, f"{low}-{high} holds under {need} ports, two per chip of a pod")
+    return low, high
 
 
 def _check_ports(spec: Spec) -> None:
@@ -226,9 +277,12 @@ def _check_ports(spec: Spec) -> None:
             ports.append((f"{tier.role}.bootstrap_port", tier.bootstrap_port))
         if tier.control_port is not None:
             ports.append((f"{tier.role}.control_port", tier.control_port))
+    low, high = spec.mooncake_ports
     for field, port in ports:
         if port in seen:
             raise SpecError(field, f"port {port} is already {seen[port]}'s")
+        if low <= port <= high:
+            raise SpecError(field, f"port {port} is in mooncake_ports ({low}-{high})")
         seen[port] = field
 
 
@@ -265,6 +319,7 @@ def parse_spec(doc: Any, base: Path = Path(".")) -> Spec:
         secret=_secret(doc, base),
         transfer_backend=backend,
         dist_init_port=_port(doc, "dist_init_port", "", 5000),
+        mooncake_ports=_mooncake_ports(doc, tiers),
         datacenters=datacenters,
         tiers=tiers,
         router=Router(
@@ -272,6 +327,7 @@ def parse_spec(doc: Any, base: Path = Path(".")) -> Spec:
             replicas=_positive(router_doc, "replicas", "router", 2),
             port=_port(router_doc, "port", "router", 8000),
             control_port=_port(router_doc, "control_port", "router", 7600),
+            client_cidrs=_cidrs(router_doc, "client_cidrs", "router"),
             extra_args=_strings(router_doc, "extra_args", "router"),
         ),
     )
