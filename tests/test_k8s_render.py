@@ -121,6 +121,18 @@ def test_router_addresses_each_instance_and_advertises_its_own_pod_ip(base: Path
     assert deployment["spec"]["replicas"] == 2
 
 
+def test_secret_encrypt_turns_curve_on_for_md_and_the_routers_alike(base: Path) -> None:
+    plain = objects(example(), base)
+    assert "encrypt" not in " ".join(router_args(parse_spec(example(), base)))
+    assert "encrypt" not in sglang_command(find(plain["b"], "StatefulSet", "pdd-main-0"))
+    doc = example()
+    doc["secret"]["encrypt"] = True
+    assert "--control-encrypt" in router_args(parse_spec(doc, base))
+    out = objects(doc, base)
+    assert "--pdd-control-encrypt" in sglang_command(find(out["b"], "StatefulSet", "pdd-main-0"))
+    assert "encrypt" not in sglang_command(find(out["a"], "StatefulSet", "pdd-prefill-0"))
+
+
 LABELS = {"app.kubernetes.io/name": "pdd"}
 A, B = [{"ipBlock": {"cidr": "10.10.0.0/16"}}], [{"ipBlock": {"cidr": "10.20.0.0/16"}}]
 EPHEMERAL, MOONCAKE = (32768, 60999), (15000, 17000)
@@ -277,6 +289,10 @@ BAD = {
     "tp not dividing the chips": (lambda: _set(example(), "prefill", "tp", 3), "prefill.tp"),
     "tp over partial nodes": (lambda: _set(example(), "main", "tp", 12), "main.tp"),
     "md without a secret": (lambda: _without(example(), "secret"), "secret.file"),
+    "encrypt not a bool": (
+        lambda: _with(example(), "secret", {"file": "control.secret", "encrypt": "yes"}),
+        "secret.encrypt",
+    ),  # fmt: skip
     "two tiers on one port": (lambda: _set(example(), "relay", "port", 30000), "relay.port"),
     "md port as router port": (
         lambda: _set(example(), "main", "control_port", 8000),

@@ -72,6 +72,7 @@ def _server_args(spec: Spec, tier: Tier, name: str, ns: str) -> list[str]:
     if tier.control_port is not None:
         args += ["--pdd-control-port", str(tier.control_port)]
         args += ["--pdd-secret-file", f"{SECRET_DIR}/{SECRET_KEY}"]
+        args += ["--pdd-control-encrypt"] if spec.control_encrypt else []
     if tier.nodes > 1:
         dist = f"{name}-0.{name}-nodes.{ns}.svc:{spec.dist_init_port}"
         args += ["--nnodes", str(tier.nodes), "--dist-init-addr", dist]
@@ -214,6 +215,7 @@ def router_args(spec: Spec) -> list[str]:
         "--tokenizer", spec.model_path,
         "--served-model-name", spec.served_model_name,
     ]  # fmt: skip
+    args += ["--control-encrypt"] if spec.control_encrypt else []
     return args + list(r.extra_args)
 
 

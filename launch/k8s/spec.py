@@ -93,6 +93,7 @@ class Spec:
     model_volume: dict[str, Any]  # a Kubernetes volume source holding model_path
     served_model_name: str
     secret: bytes
+    control_encrypt: bool  # CURVE on the control plane, keys derived from `secret`
     transfer_backend: str
     dist_init_port: int
     # First and last port Mooncake's engines listen on (its handshake and TCP data ports).
@@ -317,6 +318,7 @@ def parse_spec(doc: Any, base: Path = Path(".")) -> Spec:
         model_volume=volume,
         served_model_name=_get(model, "served_name", "model", str, Path(model_path).name),
         secret=_secret(doc, base),
+        control_encrypt=_get(doc["secret"], "encrypt", "secret", bool, False),
         transfer_backend=backend,
         dist_init_port=_port(doc, "dist_init_port", "", 5000),
         mooncake_ports=_mooncake_ports(doc, tiers),

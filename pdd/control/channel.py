@@ -4,7 +4,9 @@ Both directions are non-blocking by construction: receiving drains what is queue
 and sending queues at most `hwm` messages per peer and drops (with a logged reason) beyond
 that, so a dead or slow peer never stalls the MainDecode scheduler loop or the router.
 `ControlSocket` is the synchronous API (MD's scheduler loop); `AsyncControlSocket` is the
-asyncio one (the router).
+asyncio one (the router). With `curve` keys (pdd.control.curve) the PULL is a CURVE server and
+every PUSH its client: the connections are encrypted, and a peer without the keys (plaintext,
+or another secret) fails ZMQ's handshake, so its messages never arrive; the receiver goes on.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from pdd.control.curve import CurveKeys
 from pdd.control.messages import (
     MAX_MESSAGE_BYTES,
     ControlError,
@@ -91,11 +94,19 @@ class _Inbox:
 class _Peers:
     """One PUSH socket per peer address, created on first use, least recently used evicted."""
 
-    def __init__(self, context: zmq.Context, secret: bytes | None, hwm: int, stats: ChannelStats):
+    def __init__(
+        self,
+        context: zmq.Context,
+        secret: bytes | None,
+        hwm: int,
+        stats: ChannelStats,
+        curve: CurveKeys | None,
+    ) -> None:
         self.context = context
         self.secret = secret
         self.hwm = hwm
         self.stats = stats
+        self.curve = curve
         self.sockets: OrderedDict[str, zmq.Socket] = OrderedDict()
         self.origins = Origin.new_sender()  # this socket's sender id and message numbers
 
@@ -108,6 +119,8 @@ class _Peers:
         sock.setsockopt(zmq.SNDHWM, self.hwm)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         sock.setsockopt(zmq.SNDTIMEO, 0)
+        if self.curve is not None:
+            self.curve.client(sock)
         try:
             sock.connect(addr)
         except zmq.ZMQError:
@@ -150,17 +163,14 @@ class _Peers:
         self.sockets.clear()
 
 
-def _pull_socket(context: zmq.Context, hwm: int) -> zmq.Socket:
+def _bound_pull(context: zmq.Context, hwm: int, addr: str, curve: CurveKeys | None) -> zmq.Socket:
     sock = context.socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.LINGER, 0)
     # ZMQ disconnects a peer that sends more than this, before buffering it.
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-    return sock
-
-
-def _bound_pull(context: zmq.Context, hwm: int, addr: str) -> zmq.Socket:
-    sock = _pull_socket(context, hwm)
+    if curve is not None:
+        curve.serve(sock)
     try:
         sock.bind(addr)
     except zmq.ZMQError:
@@ -178,20 +188,22 @@ class ControlSocket:
         *,
         hwm: int = DEFAULT_HWM,
         context: zmq.Context | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.context = context or zmq.Context.instance()
         self.secret = secret or None
         self.hwm = hwm
+        self.curve = curve
         self.stats = ChannelStats()
         self._inbox = _Inbox(self.secret, self.stats)
-        self._peers = _Peers(self.context, self.secret, hwm, self.stats)
+        self._peers = _Peers(self.context, self.secret, hwm, self.stats, curve)
         self._pull: zmq.Socket | None = None
 
     def bind(self, addr: str) -> str:
         """Bind the receiving socket (`tcp://host:port`, port `*` for any); the bound address."""
         if self._pull is not None:
             raise RuntimeError("ControlSocket is already bound")
-        self._pull = _bound_pull(self.context, self.hwm, addr)
+        self._pull = _bound_pull(self.context, self.hwm, addr, self.curve)
         return self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
 
     @property
@@ -237,19 +249,26 @@ class AsyncControlSocket:
     """The router's control endpoint: `await recv()` for the next valid message, `send` as in
     ControlSocket (sending never blocks, so it needs no await)."""
 
-    def __init__(self, secret: bytes | None = None, *, hwm: int = DEFAULT_HWM) -> None:
+    def __init__(
+        self,
+        secret: bytes | None = None,
+        *,
+        hwm: int = DEFAULT_HWM,
+        curve: CurveKeys | None = None,
+    ) -> None:
         self.secret = secret or None
         self.hwm = hwm
+        self.curve = curve
         self.stats = ChannelStats()
         self._inbox = _Inbox(self.secret, self.stats)
         self._actx = zmq.asyncio.Context()
-        self._peers = _Peers(zmq.Context.instance(), self.secret, hwm, self.stats)
+        self._peers = _Peers(zmq.Context.instance(), self.secret, hwm, self.stats, curve)
         self._pull: zmq.asyncio.Socket | None = None
 
     def bind(self, addr: str) -> str:
         if self._pull is not None:
             raise RuntimeError("AsyncControlSocket is already bound")
-        sock = _bound_pull(self._actx, self.hwm, addr)
+        sock = _bound_pull(self._actx, self.hwm, addr, self.curve)
         self._pull = sock  # type: ignore[assignment]
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 

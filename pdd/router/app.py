@@ -289,7 +289,7 @@ async def status(request: web.Request) -> web.Response:
 
 async def _startup(app: web.Application) -> None:
     config = app[CONFIG]
-    control = AsyncControlSocket(config.secret)
+    control = AsyncControlSocket(config.secret, curve=config.curve())
     bound = control.bind(f"tcp://{config.control_host}:{config.control_port or '*'}")
     port = int(bound.rsplit(":", 1)[1])
     reply_to = f"tcp://{config.advertise_host}:{port}"
@@ -304,7 +304,8 @@ async def _startup(app: web.Application) -> None:
     app[TASKS].append(loop.create_task(ctx.health.loop(session)))
     tiers = [(ctx.loads[t], ctx.health.urls(t)) for t in TIERS]
     app[TASKS].append(loop.create_task(poll_loop(session, tiers, config.load_interval_s)))
-    logger.info("control socket %s (advertised %s)", bound, reply_to)
+    logger.info("control socket %s (advertised %s, %s)", bound, reply_to,
+                "CURVE-encrypted" if config.control_encrypt else "cleartext")  # fmt: skip
 
 
 async def _cleanup(app: web.Application) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from pdd.control.curve import CurveKeys, encrypt_problem
 from pdd.control.secret import ENV_SECRET, bind_problem, read_secret, warn_if_readable
 from pdd.policy.handoff import MODES, HandoffPolicy
 from pdd.policy.path import DEFAULT_PATHS, PathPolicy
@@ -86,6 +87,7 @@ class RouterConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     secret: bytes | None = None
     control_insecure: bool = False  # allow an unauthenticated control socket beyond loopback
+    control_encrypt: bool = False  # CURVE on the control sockets (pdd.control.curve)
     # The OpenAI endpoints (/v1/...): the router tokenizes their prompts itself. The name and
     # the prompt limit default to the tokenizer directory's name and its config.json.
     tokenizer: Path | None = None
@@ -117,6 +119,10 @@ class RouterConfig:
         problem = bind_problem(self.control_host, self.secret, self.control_insecure, flags)
         if problem:
             raise ValueError(problem)
+        if self.control_encrypt:
+            problem = encrypt_problem(self.secret, ("--control-encrypt", "--secret-file"))
+            if problem:
+                raise ValueError(problem)
         if self.max_active < 1:
             raise ValueError("--max-active must be at least 1")
         name, limit = self.served_model_name, self.max_prompt_tokens
@@ -144,6 +150,10 @@ class RouterConfig:
             raise ValueError("--cache-sync-interval must be > 0")
         if self.md_feed_after_tokens < 0:
             raise ValueError("--md-feed-after-tokens must be >= 0")
+
+    def curve(self) -> CurveKeys | None:
+        """The router's CURVE keys when the control plane is encrypted, else None."""
+        return CurveKeys.derive(self.secret, "router") if self.control_encrypt else None
 
     @property
     def advertise_host(self) -> str:
@@ -308,6 +318,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(anyone who reaches it can forge READYs and ACKs); a warning is logged",
     )
     add(
+        "--control-encrypt",
+        action="store_true",
+        help="encrypt the control plane with ZeroMQ's CURVE, keys derived from --secret-file "
+        "(which it needs); every MD must run with --pdd-control-encrypt too",
+    )
+    add(
         "--tokenizer",
         type=Path,
         default=None,
@@ -379,6 +395,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         ),
         secret=read_secret(args.secret_file),
         control_insecure=args.control_insecure,
+        control_encrypt=args.control_encrypt,
         tokenizer=_tokenizer_dir(args.tokenizer),
         served_model_name=args.served_model_name,
         max_prompt_tokens=args.max_prompt_tokens,

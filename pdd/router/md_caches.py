@@ -3,6 +3,10 @@
 The router asks each MD (SyncRequest) at start-up and every `interval_s`: MD answers with a
 snapshot if the router's view is stale, else a heartbeat, and sends deltas as its tree changes.
 A mirror that heard nothing for three intervals predicts no hit (MD may be gone or cut off).
+An MD silent that long is reported once, with the likely causes: the cache sync is the only
+control traffic that flows without requests, so it is where a control plane that cannot get
+through (a secret or an encryption switch set differently on the two sides: ZMQ drops what
+fails its handshake without a word) shows first.
 """
 
 from __future__ import annotations
@@ -20,6 +24,11 @@ from pdd.control.messages import CacheSync, Message, SyncRequest
 logger = logging.getLogger(__name__)
 NO_EPOCH = "none"  # what the router says before its first snapshot
 SILENT_INTERVALS = 3
+SILENCE_CAUSES = (
+    "MD down, its control port unreachable, or the control plane set differently on the two "
+    "sides: the secret (--secret-file / --pdd-secret-file) or the encryption (--control-encrypt "
+    "/ --pdd-control-encrypt, both or neither)"
+)
 
 
 class MdCaches:
@@ -38,6 +47,9 @@ class MdCaches:
         self.now = now
         self.mirrors = {name: CacheMirror(now=now) for name in self.names}
         self.asked_at: dict[str, float] = {}
+        self.started_at = now()
+        self.heard_at: dict[str, float] = {}  # the last CacheSync from each MD, in step or not
+        self.silent: set[str] = set()  # MDs reported silent and not heard from since
         self.unknown = 0  # CacheSync from an MD this router does not know
 
     def ask(self, name: str) -> None:
@@ -51,6 +63,7 @@ class MdCaches:
             self.unknown += 1
             logger.warning("cache sync for unknown MD %r", msg.name)
             return
+        self.heard_at[msg.name] = self.now()
         if not mirror.apply(msg) and self.now() - self.asked_at.get(msg.name, 0.0) > 1.0:
             logger.info("cache sync: MD %s out of step (epoch %s seq %d); asking for a snapshot",
                         msg.name, msg.epoch, msg.seq)  # fmt: skip
@@ -62,6 +75,24 @@ class MdCaches:
         silent = last is None or self.now() - last > SILENT_INTERVALS * self.interval_s
         return not mirror.stale and not silent
 
+    def silence(self, name: str) -> str:
+        """Why MD `name`'s control plane may be silent, or "" while it answers cache sync."""
+        last = self.heard_at.get(name, self.started_at)
+        quiet = self.now() - last
+        if quiet <= SILENT_INTERVALS * self.interval_s:
+            return ""
+        return f"no cache sync from MD {name} for {quiet:.0f}s: {SILENCE_CAUSES}"
+
+    def report_silence(self, name: str) -> None:
+        """Log once when MD `name` falls silent and once when it is heard again."""
+        why = self.silence(name)
+        if why and name not in self.silent:
+            self.silent.add(name)
+            logger.warning("%s; requests sent to it wait for READY until --ready-timeout", why)
+        elif not why and name in self.silent:
+            self.silent.discard(name)
+            logger.info("cache sync: MD %s answers again", name)
+
     def cached_prefix(self, name: str, prompt: Sequence[int] | PromptHashes) -> int:
         """MD `name`'s cached prefix of the prompt (block granularity); 0 if its view is stale."""
         return self.mirrors[name].cached_prefix(prompt) if self.fresh(name) else 0
@@ -72,7 +103,8 @@ class MdCaches:
             age = None if m.synced_at is None else round(self.now() - m.synced_at, 3)
             out[name] = {"fresh": self.fresh(name), "epoch": m.epoch, "seq": m.seq,
                          "block": m.block, "blocks": len(m.hashes), "tokens": m.tokens,
-                         "resyncs": m.resyncs, "synced_s_ago": age}  # fmt: skip
+                         "resyncs": m.resyncs, "synced_s_ago": age,
+                         "silent": name in self.silent}  # fmt: skip
         return out
 
     async def loop(self) -> None:
@@ -82,4 +114,5 @@ class MdCaches:
                     self.ask(name)
                 except Exception:  # one MD's bad address must not stop the others' sync
                     logger.exception("cache sync request to %s failed", name)
+                self.report_silence(name)
             await asyncio.sleep(self.interval_s)

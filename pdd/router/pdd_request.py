@@ -150,7 +150,9 @@ class PddRequest(HandoffFlow, ResumeFlow):
             return self._fail(f"request timed out after {timeouts.request:.0f}s", 504)
         if self.md is MdState.PENDING and self.ready is None and now >= self.t0 + timeouts.ready:
             metrics.inc("timeouts_total", wait="ready")
-            return self._md_dead(f"MD not ready within {timeouts.ready:g}s", "timeout")
+            why = self.ctx.caches.silence(self.main_addr)
+            reason = f"MD not ready within {timeouts.ready:g}s" + (f" ({why})" if why else "")
+            return self._md_dead(reason, "timeout")
         if self.answer is not None and now >= self.t0 + timeouts.ready:
             metrics.inc("timeouts_total", wait="ready")
             logger.warning("request %s: no READY from MD within %gs; answered without it",

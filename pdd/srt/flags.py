@@ -15,6 +15,7 @@ from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookType
 
+from pdd.control.curve import CurveKeys, encrypt_problem
 from pdd.control.messages import MAX_BLOCK
 from pdd.control.secret import ENV_SECRET, bind_problem, read_secret, warn_if_readable
 from pdd.srt.cpu_disagg import adjust_cpu_args
@@ -33,6 +34,7 @@ ENV_CONTROL_HOST = "PDD_CONTROL_HOST"
 ENV_CONTROL_PORT = "PDD_CONTROL_PORT"
 ENV_PARK_TIMEOUT = "PDD_PARK_TIMEOUT_S"
 ENV_SECRET_FILE = "PDD_CONTROL_SECRET_FILE"
+ENV_CONTROL_ENCRYPT = "PDD_CONTROL_ENCRYPT"
 ENV_CACHE_BLOCK = "PDD_CACHE_BLOCK"
 ENV_EXTEND_KERNEL = "PDD_EXTEND_KERNEL"
 ENV_HANDOFF_BATCH = "PDD_HANDOFF_BATCH_S"
@@ -50,6 +52,7 @@ class PddConfig:
     control_port: int | None = None
     park_timeout_s: float = DEFAULT_PARK_TIMEOUT_S
     secret_file: str | None = None
+    control_encrypt: bool = False  # CURVE on the control sockets (pdd.control.curve)
     cache_block: int = DEFAULT_CACHE_BLOCK
     extend_kernel: str = EXTEND_KERNELS[0]
     handoff_batch_s: float = 0.0
@@ -64,6 +67,7 @@ class PddConfig:
             control_port=int(port) if port else None,
             park_timeout_s=float(env.get(ENV_PARK_TIMEOUT) or DEFAULT_PARK_TIMEOUT_S),
             secret_file=env.get(ENV_SECRET_FILE) or None,
+            control_encrypt=env.get(ENV_CONTROL_ENCRYPT) == "1",
             cache_block=int(env.get(ENV_CACHE_BLOCK) or DEFAULT_CACHE_BLOCK),
             extend_kernel=env.get(ENV_EXTEND_KERNEL) or EXTEND_KERNELS[0],
             handoff_batch_s=float(env.get(ENV_HANDOFF_BATCH) or 0.0),
@@ -76,6 +80,7 @@ class PddConfig:
             ENV_CONTROL_PORT: None if self.control_port is None else str(self.control_port),
             ENV_PARK_TIMEOUT: str(self.park_timeout_s),
             ENV_SECRET_FILE: self.secret_file,
+            ENV_CONTROL_ENCRYPT: "1" if self.control_encrypt else None,
             ENV_CACHE_BLOCK: str(self.cache_block),
             ENV_EXTEND_KERNEL: self.extend_kernel,
             ENV_HANDOFF_BATCH: str(self.handoff_batch_s),
@@ -89,6 +94,10 @@ class PddConfig:
     def secret(self) -> bytes | None:
         """The control plane's shared secret (HMAC key), or None when it is not authenticated."""
         return read_secret(self.secret_file)
+
+    def curve(self) -> CurveKeys | None:
+        """MD's CURVE keys when the control plane is encrypted, else None."""
+        return CurveKeys.derive(self.secret(), "md") if self.control_encrypt else None
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -118,6 +127,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="MainDecode: allow an unauthenticated control socket on a non-loopback address "
         "(anyone who reaches it can send handoffs and cancels); a warning is logged.",
+    )
+    group.add_argument(
+        "--pdd-control-encrypt",
+        action="store_true",
+        help="MainDecode: encrypt the control plane with ZeroMQ's CURVE, keys derived from "
+        "--pdd-secret-file (which it needs); the router must give --control-encrypt too.",
     )
     group.add_argument(
         "--pdd-park-timeout",
@@ -188,11 +203,17 @@ def config_from_args(args: argparse.Namespace) -> PddConfig:
         raise SystemExit(f"error: --pdd-secret-file {secret_file} does not exist")
     control_host = getattr(args, "pdd_control_host", None) or getattr(args, "host", None)
     control_host = control_host or PddConfig.control_host
+    encrypt = bool(getattr(args, "pdd_control_encrypt", False))
+    secret = read_secret(secret_file) if role == "main" or encrypt else None
+    if encrypt:
+        problem = encrypt_problem(secret, ("--pdd-control-encrypt", "--pdd-secret-file"))
+        if problem:
+            raise SystemExit(f"error: {problem}")
     if role == "main":
         warn_if_readable(secret_file)
         insecure = bool(getattr(args, "pdd_control_insecure", False))
         flags = ("--pdd-secret-file", "--pdd-control-insecure")
-        problem = bind_problem(control_host, read_secret(secret_file), insecure, flags)
+        problem = bind_problem(control_host, secret, insecure, flags)
         if problem:
             raise SystemExit(f"error: {problem}")
     cache_block = getattr(args, "pdd_cache_block", DEFAULT_CACHE_BLOCK)
@@ -214,6 +235,7 @@ def config_from_args(args: argparse.Namespace) -> PddConfig:
         control_port=port,
         park_timeout_s=park_timeout,
         secret_file=secret_file,
+        control_encrypt=encrypt,
         cache_block=cache_block,
         extend_kernel=extend_kernel,
         handoff_batch_s=batch_ms / 1000,

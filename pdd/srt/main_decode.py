@@ -95,7 +95,7 @@ class MainDecode:
         self.attention = HandoffAttention(backend, config.extend_kernel)
         # SGLang dispatches what its request broadcast carries by type; ours goes to `receive`.
         scheduler._request_dispatcher += TypeBasedDispatcher([(ControlBatch, self.receive)])
-        self.control = ControlSocket(secret=config.secret())
+        self.control = ControlSocket(secret=config.secret(), curve=config.curve())
         self.gatherer = Gatherer(self.control, config.handoff_batch_s)
         self.reporter = CacheReporter(config.cache_block, self.control.send)
         if not self.leader:
@@ -110,7 +110,9 @@ class MainDecode:
         sleeper = getattr(scheduler, "idle_sleeper", None)  # --sleep-on-idle
         if sleeper is not None and hasattr(sleeper, "poller"):
             sleeper.poller.register(self.control.socket, zmq.POLLIN)
-        logger.info("PDD MainDecode: control plane on %s (TP size %d)", addr, self.tp.world_size)
+        wire = "CURVE-encrypted" if config.control_encrypt else "cleartext"
+        logger.info("PDD MainDecode: control plane on %s (TP size %d, %s)", addr,
+                    self.tp.world_size, wire)  # fmt: skip
 
     def busy(self) -> bool:
         """Holds KV or has control output or input pending: the loop must come round."""
