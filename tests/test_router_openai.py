@@ -557,16 +557,21 @@ class Live:
     router_url: str
     max_prompt_tokens: int
     kv_per_token: int
+    logs: dict[str, Path]  # the router's and MD's
 
 
 @pytest.fixture(scope="module")
 def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    from pdd.control.secret import write_secret
     from pdd.launch.pdd_deploy import DECODE_CACHE_FLAG
     from pdd.launch.process import free_port, stop_groups
     from pdd.launch.router import RouterService
     from pdd.launch.servers import SGLangServer
 
     run_dir = tmp_path_factory.mktemp("router_openai")
+    # The control plane between router and MD is CURVE-encrypted here (the other live modules
+    # run it in cleartext): the handoffs and the cache sync below cross it.
+    secret = str(write_secret(run_dir / "control.secret"))
     prefill = SGLangServer("prefill", tiny_model, free_port(), run_dir, mode="prefill",
                            bootstrap_port=free_port())  # fmt: skip
     relay = SGLangServer("relay", tiny_model, free_port(), run_dir, mode="decode")
@@ -574,14 +579,15 @@ def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     main = SGLangServer(
         "main", tiny_model, free_port(), run_dir, mode="decode",
         extra_args=["--pdd-role", "main", "--pdd-control-port", str(free_port()),
-                    DECODE_CACHE_FLAG],
+                    DECODE_CACHE_FLAG, "--pdd-secret-file", secret, "--pdd-control-encrypt"],
     )  # fmt: skip
     limit = 512
     router = RouterService(
         "router", free_port(), run_dir, prefill=[prefill], relay=[relay], main=[main],
         extra_args=["--handoff-mode", "extend", "--test-controls",
                     "--tokenizer", str(tiny_model), "--served-model-name", MODEL,
-                    "--max-prompt-tokens", str(limit)],
+                    "--max-prompt-tokens", str(limit), "--secret-file", secret,
+                    "--control-encrypt"],
     )  # fmt: skip
     services = [router, prefill, relay, main]
     try:
@@ -591,7 +597,8 @@ def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             s.wait_ready()
         from pdd.models.kv import kv_bytes_per_token
 
-        yield Live(router.url, limit, kv_bytes_per_token(tiny_model, dtype_bytes=4))
+        logs = {s.name: run_dir / f"{s.name}.log" for s in (router, main)}
+        yield Live(router.url, limit, kv_bytes_per_token(tiny_model, dtype_bytes=4), logs)
     finally:
         stop_groups([s.process.pgid for s in services if s.process is not None])
 
@@ -634,6 +641,11 @@ def test_live_chat_streamed_equals_whole(live: Live, tokenizer: RouterTokenizer)
     assert (finals[0].model_extra or {})["pdd"]["path"] == "P->RLD->MD"
     assert chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # Both handoffs above crossed a CURVE-encrypted control plane (READY, then the handoff).
+    assert "MainDecode: control plane on" in live.logs["main"].read_text()
+    for name, log in live.logs.items():
+        wires = [w for w in ("CURVE-encrypted", "cleartext") if w in log.read_text()]
+        assert wires == ["CURVE-encrypted"], (name, wires)
 
 
 def test_live_chat_turns_reuse_what_md_holds(live: Live, tokenizer: RouterTokenizer) -> None:
