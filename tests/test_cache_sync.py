@@ -242,6 +242,22 @@ def test_router_view_goes_cold_when_md_is_silent() -> None:
     assert caches.unknown == 1
 
 
+def test_md_answers_are_heard_and_their_round_trip_kept() -> None:
+    clock = Clock()
+    heard: list[int] = []
+    caches = MdCaches([MD], lambda a, m: 1, ROUTER, 5.0, now=clock, on_heard=heard.append)
+    assert caches.status()[MD]["sync_reply_p99_s"] is None
+    caches.ask(MD)
+    clock.t += 4.0  # the ask waited behind KV in the link's queue
+    caches.ask(MD)  # asked again before the answer: the round trip counts from the first ask
+    clock.t += 0.5
+    caches.on_sync(CacheSync(MD, "e1", 0, 4, True, b"", b""))
+    assert heard == [0]
+    assert caches.status()[MD]["sync_reply_p99_s"] == pytest.approx(4.5)
+    caches.on_sync(CacheSync(MD, "e1", 1, 4, False, b"", b""))  # a delta: no ask pending
+    assert heard == [0, 0] and caches.status()[MD]["sync_reply_p99_s"] == pytest.approx(4.5)
+
+
 def test_unreachable_and_surplus_subscribers_are_dropped() -> None:
     clock = Clock()
     sent: list[str] = []

@@ -11,6 +11,9 @@ float32 too, only less) enough to flip one.
 
 from __future__ import annotations
 
+import json
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +37,8 @@ BLOCK = 16  # tokens per block of the router's mirror of MD's cache
 VOCAB = 1024
 MAX_NEW = 48
 TOLERANCE = 0.05
+SATURATED_MBIT = 2.0  # the link while KV saturates it: 30 s of KV is ~120 tokens' worth
+SATURATE_S = 30.0
 
 pytestmark = needs_root
 
@@ -68,7 +73,9 @@ class Setup:
 
 @pytest.fixture(scope="module")
 def setup(wide_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    tb = Testbed("pdddrc", LinkParams(200.0, 20.0), net="10.223")
+    # A deep drop-tail queue (4 s of link time), as WAN routers have: when KV fills the link,
+    # what else crosses A -> B waits seconds behind it (the saturation test).
+    tb = Testbed("pdddrc", LinkParams(200.0, 20.0, queue_ms=4000.0), net="10.223")
     tb.down()
     tb.up()
     run_dir = tmp_path_factory.mktemp("decode_cache")
@@ -149,3 +156,54 @@ def test_after_md_evicts_what_it_lacks_crosses_again(setup: Setup) -> None:
     assert meta["md_predicted_cached_tokens"] == 0, meta  # the flush reached the router too
     expected = (len(ids) - meta["md_cached_tokens"]) * setup.kv_per_token
     assert abs(wan - expected) <= TOLERANCE * expected, (wan, expected)
+
+
+def router_status(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/status", timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def test_a_link_full_of_kv_never_marks_md_down(setup: Setup) -> None:
+    """KV saturates the WAN for ~30 s. The router's /ping to MD waits in the link's queue behind
+    it and times out, but MD's cache-sync answers keep it up: MD is never marked down, the
+    control plane's round trip stays bounded and the request completes on P -> MD."""
+    rate = SATURATED_MBIT * 1e6 / 8
+    tokens = int(rate * SATURATE_S / setup.kv_per_token)
+    md = router_status(setup.pdd.url)["instances"]["main"][0]
+    downs_before, slow_before = md["downs"], md["slow_checks"]
+    samples: list[dict] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.5):
+            samples.append(router_status(setup.pdd.url))
+
+    setup.tb.set_rate(SATURATED_MBIT)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    start = time.monotonic()
+    try:
+        got, wan = setup.turn(random_ids(tokens, 77, VOCAB), path="main")
+    finally:
+        setup.tb.restore()
+        done.set()
+        watcher.join(timeout=60)
+    took = time.monotonic() - start
+    meta = got["meta_info"]["pdd"]
+    assert meta["path"] == "P->MD" and len(got["output_ids"]) == MAX_NEW, meta
+    mains = [s["instances"]["main"][0] for s in samples]
+    p99s = [c["sync_reply_p99_s"] for s in samples for c in s["md_caches"].values()]
+    reply_p99 = max(p for p in p99s if p is not None)
+    slow = mains[-1]["slow_checks"] - slow_before
+    print(
+        f"{tokens} tokens of KV ({wan / 1e6:.1f} MB) at {SATURATED_MBIT} Mbit/s took {took:.1f}s;"
+        f" md marked down {mains[-1]['downs'] - downs_before} times, {slow} /ping checks timed"
+        f" out behind the KV, cache-sync reply P99 {reply_p99:.2f}s"
+    )
+    assert took >= 0.8 * SATURATE_S, "the KV did not fill the link for long"
+    assert all(m["up"] for m in mains) and mains[-1]["downs"] == downs_before, mains[-1]
+    # The link's queue did hold /ping back, long enough for two failed checks to mark MD down
+    # had a timeout counted as a failure ...
+    assert slow >= 2, mains[-1]
+    # ... while MD's answers on the control plane kept coming within the heard window.
+    assert reply_p99 < 10.0, p99s

@@ -218,6 +218,27 @@ def test_health_marks_down_after_repeated_failures_and_up_at_once() -> None:
     assert health.status()["main"][1]["last_error"] == "unreachable"
 
 
+def test_a_timed_out_check_counts_only_while_the_instance_is_not_heard_elsewhere() -> None:
+    clock = [100.0]
+    health = Health({"main": ["http://md0"]}, interval_s=1.0, failures=2, heard_window_s=15.0,
+                    now=lambda: clock[0])  # fmt: skip
+    health.heard("main", 0)  # MD answered cache sync: alive, whatever its /ping does
+    for _ in range(5):
+        clock[0] += 2.0  # 10 s of /ping stuck behind KV in the link's queue
+        health.timed_out("main", 0, "/ping timed out")
+    assert health.up("main", 0)
+    assert health.status()["main"][0]["slow_checks"] == 5
+    assert health.status()["main"][0]["downs"] == 0
+    health.mark("main", 0, False, "refused")  # a refusal counts, heard or not
+    health.mark("main", 0, False, "refused")
+    assert not health.up("main", 0) and health.status()["main"][0]["downs"] == 1
+    health.mark("main", 0, True)
+    clock[0] += 16.0  # not heard for longer than the window: silence on every channel
+    health.timed_out("main", 0, "/ping timed out")
+    health.timed_out("main", 0, "/ping timed out")
+    assert not health.up("main", 0) and health.status()["main"][0]["downs"] == 2
+
+
 def test_prefix_index_remembers_recent_prompts() -> None:
     index = PrefixIndex(capacity_blocks=10)
     a, b = list(range(100, 180)), list(range(500, 580))  # 5 blocks each

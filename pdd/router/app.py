@@ -302,8 +302,9 @@ async def _startup(app: web.Application) -> None:
     if config.main:
         app[TASKS].append(loop.create_task(ctx.caches.loop()))
     app[TASKS].append(loop.create_task(ctx.health.loop(session)))
-    tiers = [(ctx.loads[t], ctx.health.urls(t)) for t in TIERS]
-    app[TASKS].append(loop.create_task(poll_loop(session, tiers, config.load_interval_s)))
+    tiers = [(t, ctx.loads[t], ctx.health.urls(t)) for t in TIERS]
+    polls = poll_loop(session, tiers, config.load_interval_s, ctx.health.heard)
+    app[TASKS].append(loop.create_task(polls))
     logger.info("control socket %s (advertised %s, %s)", bound, reply_to,
                 "CURVE-encrypted" if config.control_encrypt else "cleartext")  # fmt: skip
 

@@ -22,7 +22,7 @@ from pdd.router.estimates import (
     wan_estimate,
 )
 from pdd.router.health import Health
-from pdd.router.md_caches import MdCaches
+from pdd.router.md_caches import SILENT_INTERVALS, MdCaches
 from pdd.router.metrics import Metrics
 from pdd.router.prefix_index import PrefixIndex
 from pdd.router.server_loads import Load
@@ -58,13 +58,16 @@ class RouterContext:
     def __post_init__(self) -> None:
         cfg = self.config
         names = [t.control_addr for t in cfg.main]
-        self.caches = MdCaches(names, self.send, self.reply_to, cfg.cache_sync_interval_s)
         urls = {
             "prefill": [t.url for t in cfg.prefill],
             "relay": [t.url for t in cfg.relay],
             "main": [t.url for t in cfg.main],
         }
-        self.health = Health(urls, cfg.health_interval_s)
+        # MD's cache-sync answers prove it alive for as long as the router calls it fresh.
+        window = SILENT_INTERVALS * cfg.cache_sync_interval_s
+        self.health = Health(urls, cfg.health_interval_s, heard_window_s=window)
+        self.caches = MdCaches(names, self.send, self.reply_to, cfg.cache_sync_interval_s,
+                               on_heard=lambda i: self.health.heard("main", i))  # fmt: skip
         self.wan = [wan_estimate(cfg.wan_mbit) for _ in cfg.main]
         self.first_token_residual = [FirstTokenResidual() for _ in cfg.main]
         self.prefill_index = [PrefixIndex(cfg.prefill_index_blocks) for _ in cfg.prefill]

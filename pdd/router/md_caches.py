@@ -6,7 +6,10 @@ A mirror that heard nothing for three intervals predicts no hit (MD may be gone 
 An MD silent that long is reported once, with the likely causes: the cache sync is the only
 control traffic that flows without requests, so it is where a control plane that cannot get
 through (a secret or an encryption switch set differently on the two sides: ZMQ drops what
-fails its handshake without a word) shows first.
+fails its handshake without a word) shows first. Each MD's answers are also its heartbeat for the
+router's health checks (`on_heard`): they cross the WAN against the KV, so a link full of KV
+delays a /ping to MD but not MD's next CacheSync; `sync_reply_p99_s` in /status is how long MD
+took to answer an ask lately (the control plane's round trip on a busy link).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +28,7 @@ from pdd.control.messages import CacheSync, Message, SyncRequest
 logger = logging.getLogger(__name__)
 NO_EPOCH = "none"  # what the router says before its first snapshot
 SILENT_INTERVALS = 3
+REPLIES_KEPT = 64  # sync round trips kept per MD for its P99
 SILENCE_CAUSES = (
     "MD down, its control port unreachable, or the control plane set differently on the two "
     "sides: the secret (--secret-file / --pdd-secret-file) or the encryption (--control-encrypt "
@@ -39,6 +44,7 @@ class MdCaches:
         reply_to: str,
         interval_s: float,
         now: Callable[[], float] = time.monotonic,
+        on_heard: Callable[[int], None] | None = None,
     ) -> None:
         self.names = list(names)  # each MD's control address
         self.send = send
@@ -51,10 +57,14 @@ class MdCaches:
         self.heard_at: dict[str, float] = {}  # the last CacheSync from each MD, in step or not
         self.silent: set[str] = set()  # MDs reported silent and not heard from since
         self.unknown = 0  # CacheSync from an MD this router does not know
+        self.on_heard = on_heard  # told the index of each MD heard from
+        self.pending: dict[str, float] = {}  # the oldest unanswered ask to each MD
+        self.replies = {name: deque[float](maxlen=REPLIES_KEPT) for name in self.names}
 
     def ask(self, name: str) -> None:
         mirror = self.mirrors[name]
         self.asked_at[name] = self.now()
+        self.pending.setdefault(name, self.asked_at[name])
         self.send(name, SyncRequest(self.reply_to, name, mirror.epoch or NO_EPOCH, mirror.seq))
 
     def on_sync(self, msg: CacheSync) -> None:
@@ -64,6 +74,11 @@ class MdCaches:
             logger.warning("cache sync for unknown MD %r", msg.name)
             return
         self.heard_at[msg.name] = self.now()
+        asked = self.pending.pop(msg.name, None)
+        if asked is not None:
+            self.replies[msg.name].append(self.now() - asked)
+        if self.on_heard is not None:
+            self.on_heard(self.names.index(msg.name))
         if not mirror.apply(msg) and self.now() - self.asked_at.get(msg.name, 0.0) > 1.0:
             logger.info("cache sync: MD %s out of step (epoch %s seq %d); asking for a snapshot",
                         msg.name, msg.epoch, msg.seq)  # fmt: skip
@@ -97,6 +112,11 @@ class MdCaches:
         """MD `name`'s cached prefix of the prompt (block granularity); 0 if its view is stale."""
         return self.mirrors[name].cached_prefix(prompt) if self.fresh(name) else 0
 
+    def reply_p99(self, name: str) -> float | None:
+        """The 99th percentile of MD `name`'s recent answers to an ask, in seconds."""
+        got = sorted(self.replies[name])
+        return round(got[min(len(got) - 1, int(0.99 * len(got)))], 4) if got else None
+
     def status(self) -> dict[str, dict[str, Any]]:
         out = {}
         for name, m in self.mirrors.items():
@@ -104,7 +124,8 @@ class MdCaches:
             out[name] = {"fresh": self.fresh(name), "epoch": m.epoch, "seq": m.seq,
                          "block": m.block, "blocks": len(m.hashes), "tokens": m.tokens,
                          "resyncs": m.resyncs, "synced_s_ago": age,
-                         "silent": name in self.silent}  # fmt: skip
+                         "silent": name in self.silent,
+                         "sync_reply_p99_s": self.reply_p99(name)}  # fmt: skip
         return out
 
     async def loop(self) -> None:

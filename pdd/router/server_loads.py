@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,7 +79,8 @@ class Load:
         self.cursor = (i + 1) % len(self.active)
         return i
 
-    async def poll(self, session: aiohttp.ClientSession, i: int, url: str, timeout: float) -> None:
+    async def poll(self, session: aiohttp.ClientSession, i: int, url: str, timeout: float) -> bool:
+        """Asks instance `i` for its load; whether it answered."""
         if self.capacity[i] is None:
             await self._ask_capacity(session, i, url, timeout)
         before = self.sent_since[i]
@@ -93,10 +94,11 @@ class Load:
             if self.reported[i] is not None:
                 logger.warning("%s%s failed (%r): counting own requests", url, LOADS_PATH, err)
             self.reported[i] = None
-            return
+            return False
         self.reported[i] = reported
         # Those sent before the question are in the answer; later ones may not be yet.
         self.sent_since[i] = max(0, self.sent_since[i] - before)
+        return True
 
     async def _ask_capacity(
         self, session: aiohttp.ClientSession, i: int, url: str, timeout: float
@@ -114,12 +116,19 @@ class Load:
 
 async def poll_loop(
     session: aiohttp.ClientSession,
-    tiers: Sequence[tuple[Load, Sequence[str]]],
+    tiers: Sequence[tuple[str, Load, Sequence[str]]],
     interval_s: float,
+    heard: Callable[[str, int], None],
 ) -> None:
-    """Asks every instance of every tier for its load each `interval_s`."""
+    """Asks every instance of every tier for its load each `interval_s`; `heard(tier, i)` for
+    each answer (a sign of life for the health checks)."""
+
+    async def poll(tier: str, load: Load, i: int, url: str) -> None:
+        if await load.poll(session, i, url, max(interval_s, 1.0)):
+            heard(tier, i)
+
     while True:
-        polls = [load.poll(session, i, url, max(interval_s, 1.0))
-                 for load, urls in tiers for i, url in enumerate(urls)]  # fmt: skip
+        polls = [poll(tier, load, i, url) for tier, load, urls in tiers
+                 for i, url in enumerate(urls)]  # fmt: skip
         await asyncio.gather(*polls, return_exceptions=True)
         await asyncio.sleep(interval_s)
