@@ -42,8 +42,9 @@ def test_main_decode_needs_a_control_port() -> None:
         (["--pdd-control-port", "70000"], "is not a port number"),
         (["--pdd-park-timeout", "0"], "must be positive"),
         (["--pdd-secret-file", "/nonexistent/secret"], "does not exist"),
-        (["--pdd-wan-flows", "0"], "--pdd-wan-flows must be in 1-16"),
-        (["--pdd-wan-flows", "17"], "--pdd-wan-flows must be in 1-16"),
+        (["--pdd-wan-flows", "0"], "--pdd-wan-flows must be 'auto' or in 1-16, not '0'"),
+        (["--pdd-wan-flows", "17"], "--pdd-wan-flows must be 'auto' or in 1-16"),
+        (["--pdd-wan-flows", "many"], "--pdd-wan-flows must be 'auto' or in 1-16"),
     ],
 )
 def test_bad_values_exit_with_a_clear_message(argv: list[str], message: str) -> None:

@@ -86,3 +86,20 @@ def test_reset_on_exit_sets_linger_zero_on_this_process_sockets_to_the_peer() ->
                 linger = s.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER, 8)
                 assert struct.unpack("ii", linger) == (1, 0)
             assert client.fileno() >= 0  # the sockets themselves stay open
+
+
+def test_the_kernels_round_trip_is_read_from_this_processs_connections() -> None:
+    host = "127.0.0.78"
+    peers = {ipaddress.ip_address(host)}
+    assert tcp_peers.min_rtt_s(peers) is None  # no connection yet
+    with socket.create_server((host, 0)) as server:
+        with socket.create_connection(server.getsockname()) as client:
+            receiver, _ = server.accept()
+            with receiver:
+                for _ in range(5):  # a few round trips for the kernel to measure
+                    client.sendall(b"ping")
+                    assert receiver.recv(4) == b"ping"
+                    receiver.sendall(b"pong")
+                    assert client.recv(4) == b"pong"
+                rtt = tcp_peers.min_rtt_s(peers)
+    assert rtt is not None and 0 < rtt < 0.05, rtt

@@ -312,7 +312,7 @@ def test_mooncake_transfer_over_the_wan(testbed: Testbed) -> None:
     for r in results:
         print(f"Mooncake {r.round}: {r.achieved_mbit:.1f} Mbit/s, ratio {r.ratio:.3f}")
     assert all(r.intact for r in results), "the payload arrived corrupted"
-    assert warm_ratio(results, 1) >= TARGET_RATIO
+    assert warm_ratio(results, "1") >= TARGET_RATIO
 
 
 @needs_root
@@ -329,8 +329,8 @@ def test_a_capped_flow_window_and_a_write_over_several_flows() -> None:
             for key in ("tcp_rmem", "tcp_wmem"):
                 got = tb.exec(side, ["cat", f"/proc/sys/net/ipv4/{key}"]).stdout.split()
                 assert int(got[-1]) == int(window * (1 << 20)), (side, key, got)
-        one = transfer(tb, 4 << 20, flows=1, warm_rounds=1)
-        four = transfer(tb, 4 << 20, flows=4, warm_rounds=1)
+        one = transfer(tb, 4 << 20, flows="1", warm_rounds=1)
+        four = transfer(tb, 4 << 20, flows="4", warm_rounds=1)
     finally:
         tb.down()
     for r in one + four:

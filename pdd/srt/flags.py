@@ -22,6 +22,7 @@ from pdd.srt.cpu_disagg import adjust_cpu_args
 from pdd.srt.cpu_support import has_gpu, triton_interpreted
 from pdd.srt.cpu_tp import adjust_cpu_tp_args
 from pdd.srt.hooks import Hook, check_startup
+from pdd.srt.wan_flows import AUTO_FLOWS, fixed_flows
 from pdd.srt.wan_transfer import MAX_FLOWS, adjust_wan_args
 
 logger = logging.getLogger(__name__)
@@ -172,11 +173,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--pdd-wan-flows",
-        type=int,
-        default=MAX_FLOWS,
+        default=AUTO_FLOWS,
         help="KV sent over Mooncake's TCP transport (mooncake_tcp): TCP connections to each "
-        "peer, and a request's KV is cut into pieces that use them all at once "
-        f"(1-{MAX_FLOWS}, default: %(default)s).",
+        "peer, and a request's KV is cut into pieces that use them all at once. "
+        f"'{AUTO_FLOWS}' (default) chooses per peer from the measured round trip, the socket "
+        f"buffers and what earlier writes reached; 1-{MAX_FLOWS} fixes the number.",
     )
 
 
@@ -227,8 +228,10 @@ def config_from_args(args: argparse.Namespace) -> PddConfig:
     batch_ms = getattr(args, "pdd_handoff_batch_ms", 0.0)
     if not 0 <= batch_ms <= 10_000:
         raise SystemExit("error: --pdd-handoff-batch-ms must be in 0-10000")
-    if not 1 <= getattr(args, "pdd_wan_flows", MAX_FLOWS) <= MAX_FLOWS:
-        raise SystemExit(f"error: --pdd-wan-flows must be in 1-{MAX_FLOWS}")
+    try:
+        fixed_flows(str(getattr(args, "pdd_wan_flows", AUTO_FLOWS)))
+    except ValueError as err:
+        raise SystemExit(f"error: --pdd-wan-flows {err}") from None
     return PddConfig(
         role=role,
         control_host=control_host,

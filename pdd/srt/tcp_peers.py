@@ -1,8 +1,9 @@
 """This process's TCP connections to a peer, as the kernel lists them: whether closed ones still
-hold bytes for it, and making the open ones reset, not drain, when the process exits.
+hold bytes for it, the round trip the kernel measured on the open ones, and making them reset,
+not drain, when the process exits.
 
-Mooncake's TCP transport owns these sockets; pdd only reads /proc and sets one option on a
-duplicate of a socket's descriptor, so no transfer is disturbed. Linux only (as is Mooncake's
+Mooncake's TCP transport owns these sockets; pdd only reads /proc and reads or sets an option
+on a duplicate of a socket's descriptor, so no transfer is disturbed. Linux only (as is Mooncake's
 TCP transport)."""
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from collections.abc import Iterator
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
+# struct tcp_info (linux/tcp.h): tcpi_min_rtt, in microseconds, is the u32 at byte 148
+MIN_RTT_OFFSET = 148
+TCP_INFO_BYTES = 152
 
 
 def peer_addresses(session: str) -> set[Address]:
@@ -44,22 +48,49 @@ def reset_on_exit(peers: set[Address]) -> int:
     """Makes this process's open connections to `peers` reset when closed (SO_LINGER 0), so that
     when the process exits the kernel drops what they have not sent instead of delivering it.
     Returns how many it set."""
-    mine = {inode for _, inode in _sockets(peers) if inode}
     count = 0
+    for dup in _own_sockets(peers):
+        with dup:  # closes the duplicate only
+            try:
+                dup.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:  # closed, or the number reused, since it was listed
+                continue
+            count += 1
+    return count
+
+
+def min_rtt_s(peers: set[Address]) -> float | None:
+    """The lowest round trip the kernel measured on this process's open connections to `peers`
+    (TCP_INFO's min_rtt: the path's, without the queueing a busy link adds); None when there
+    is no such connection yet."""
+    best = None
+    for dup in _own_sockets(peers):
+        with dup:
+            try:
+                info = dup.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_BYTES)
+            except OSError:
+                continue
+        if len(info) < TCP_INFO_BYTES:  # a kernel older than 4.6 has no min_rtt
+            continue
+        (rtt_us,) = struct.unpack_from("I", info, MIN_RTT_OFFSET)
+        if rtt_us and (best is None or rtt_us < best):
+            best = rtt_us
+    return None if best is None else best / 1e6
+
+
+def _own_sockets(peers: set[Address]) -> Iterator[socket.socket]:
+    """A duplicate of each descriptor of this process that is an open TCP socket to `peers`
+    (the caller closes it; the original is untouched)."""
+    mine = {inode for _, inode in _sockets(peers) if inode}
+    if not mine:
+        return
     for fd in os.listdir("/proc/self/fd"):
         try:
             link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("socket:[") and int(link[8:-1]) in mine:
+                yield socket.socket(fileno=os.dup(int(fd)))
         except OSError:  # closed meanwhile
             continue
-        if not (link.startswith("socket:[") and int(link[8:-1]) in mine):
-            continue
-        try:
-            with socket.socket(fileno=os.dup(int(fd))) as dup:  # closes the duplicate only
-                dup.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        except OSError:  # closed, or the number reused, since it was listed
-            continue
-        count += 1
-    return count
 
 
 def _sockets(peers: set[Address]) -> Iterator[tuple[int, int]]:

@@ -14,8 +14,9 @@ several threads at once), which has two costs across a WAN:
 With the TCP transport (`mooncake_tcp`), pdd writes instead: blocks larger than a piece are
 split into pieces so that there is about one per lane, each piece is submitted on its own
 (`transfer_submit_write`), at most a few per lane in flight at once, and the sender polls their
-status with a short, growing sleep. `--pdd-wan-flows` sets the lanes (the TCP flows to each
-peer). Nothing changes on other transports (RDMA posts a batch in one go and completes fast).
+status with a short, growing sleep. How many flows each write uses is chosen per peer
+(`pdd.srt.wan_flows`) unless `--pdd-wan-flows` fixes it. Nothing changes on other transports
+(RDMA posts a batch in one go and completes fast).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 from sglang.srt.plugins.hook_registry import HookType
 
 from pdd.srt.hooks import Hook
+from pdd.srt.wan_flows import AUTO_FLOWS, FlowChooser, fixed_flows, sysctl_max
 from pdd.srt.wan_write import MAX_FLOWS, Block, mooncake_env, watchdog_s, write
 
 logger = logging.getLogger(__name__)
@@ -46,16 +48,34 @@ def tcp_transport() -> bool:
     return os.environ.get("MC_FORCE_TCP") == "1" or os.environ.get("MOONCAKE_PROTOCOL") == "tcp"
 
 
-def flows() -> int:
-    return int(os.environ.get(ENV_FLOWS) or MAX_FLOWS)
+def flows() -> int | None:
+    """The flows `--pdd-wan-flows` fixed (passed on in ENV_FLOWS), or None: chosen per peer."""
+    value = os.environ.get(ENV_FLOWS) or AUTO_FLOWS
+    try:
+        return fixed_flows(value)
+    except ValueError as err:
+        logger.warning("pdd: ignoring %s=%r (%s): flows chosen per peer", ENV_FLOWS, value, err)
+        return None
+
+
+_chooser: FlowChooser | None = None
+
+
+def chooser() -> FlowChooser:
+    """This process's flow chooser, made at its first KV write."""
+    global _chooser
+    if _chooser is None:
+        _chooser = FlowChooser(flows())
+    return _chooser
 
 
 def adjust_wan_args(args: argparse.Namespace) -> None:
     """Passes `--pdd-wan-flows` to this server's processes and Mooncake (unless the user set
     Mooncake's variables), makes a decoder hold abandoned KV slots past P's write watchdog, and
     warns when the socket buffers cap each flow low."""
-    n = int(getattr(args, "pdd_wan_flows", MAX_FLOWS))
-    os.environ[ENV_FLOWS] = str(n)
+    given = str(getattr(args, "pdd_wan_flows", AUTO_FLOWS))
+    os.environ[ENV_FLOWS] = given
+    n = fixed_flows(given) or MAX_FLOWS  # Mooncake opens a peer's lanes as writes use them
     for key, value in mooncake_env(n).items():
         os.environ.setdefault(key, value)
     mode = getattr(args, "disaggregation_mode", None)
@@ -65,7 +85,7 @@ def adjust_wan_args(args: argparse.Namespace) -> None:
     if mode == "decode" and (tcp_transport() or backend == "mooncake_tcp"):
         hold_released_slots()
     for key in ("net.ipv4.tcp_wmem", "net.ipv4.tcp_rmem"):
-        window = _sysctl_max(key)
+        window = sysctl_max(key)
         if window is not None and window < WANT_WINDOW:
             logger.warning(
                 "pdd: %s allows each TCP flow %.1f MB in flight: %d flows carry at most %.1f "
@@ -94,14 +114,6 @@ def hold_released_slots() -> None:
                        "reused", ENV_RELEASE_HOLD, given, floor)  # fmt: skip
 
 
-def _sysctl_max(key: str) -> int | None:
-    try:
-        with open(os.path.join("/proc/sys", *key.split("."))) as f:
-            return int(f.read().split()[-1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _around_batch_transfer_sync(
     original: Any,
     engine: Any,
@@ -113,7 +125,13 @@ def _around_batch_transfer_sync(
     if not buffers or not tcp_transport():
         return int(original(engine, session, buffers, peer_addresses, lengths))
     blocks: list[Block] = list(zip(buffers, peer_addresses, lengths, strict=True))
-    return write(engine.engine, session, blocks, flows())
+    started = chooser().begin(session)
+    rc = -1
+    try:
+        rc = write(engine.engine, session, blocks, started.flows)
+    finally:
+        chooser().end(started, sum(lengths), rc == 0)
+    return rc
 
 
 # SGLang's own wrapper of the Mooncake engine: every KV and aux write of its Mooncake connector
