@@ -85,7 +85,7 @@ def test_each_tier_gets_its_pdd_flags_and_chips(base: Path) -> None:
     md = sglang_command(md_sts)
     assert "--pdd-role main --disaggregation-mode decode" in md
     assert "--pdd-control-port 7500 --pdd-secret-file /etc/pdd/control.secret" in md
-    assert md.endswith("--pdd-wan-flows 16 --max-running-requests 128")  # the spec's extra_args
+    assert md.endswith("--max-running-requests 128")  # the spec's extra_args
     assert "--nnodes" not in md
     pod = md_sts["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
