@@ -246,16 +246,25 @@ def test_md_answers_are_heard_and_their_round_trip_kept() -> None:
     clock = Clock()
     heard: list[int] = []
     caches = MdCaches([MD], lambda a, m: 1, ROUTER, 5.0, now=clock, on_heard=heard.append)
-    assert caches.status()[MD]["sync_reply_p99_s"] is None
+    caches.ask(MD)
+    clock.t += 90.0  # MD was still starting: its first answer says nothing of the link
+    caches.on_sync(CacheSync(MD, "e1", 0, 4, True, b"", b""))
+    assert heard == [0] and caches.status()[MD]["sync_reply_p99_s"] is None
     caches.ask(MD)
     clock.t += 4.0  # the ask waited behind KV in the link's queue
     caches.ask(MD)  # asked again before the answer: the round trip counts from the first ask
-    clock.t += 0.5
-    caches.on_sync(CacheSync(MD, "e1", 0, 4, True, b"", b""))
-    assert heard == [0]
+    clock.t += 0.25
+    caches.on_sync(CacheSync(MD, "e1", 1, 4, False, b"\x01" * 8, b""))  # a delta, not an answer
+    assert heard == [0, 0] and caches.status()[MD]["sync_reply_p99_s"] is None
+    clock.t += 0.25
+    caches.on_sync(CacheSync(MD, "e1", 1, 4, False, b"", b""))  # the heartbeat answering
+    assert heard == [0, 0, 0]
     assert caches.status()[MD]["sync_reply_p99_s"] == pytest.approx(4.5)
-    caches.on_sync(CacheSync(MD, "e1", 1, 4, False, b"", b""))  # a delta: no ask pending
-    assert heard == [0, 0] and caches.status()[MD]["sync_reply_p99_s"] == pytest.approx(4.5)
+    caches.ask(MD)
+    clock.t += 60.0  # MD cut off: reported silent, its unanswered ask forgotten
+    caches.report_silence(MD)
+    caches.on_sync(CacheSync(MD, "e1", 1, 4, False, b"", b""))
+    assert caches.status()[MD]["sync_reply_p99_s"] == pytest.approx(4.5)
 
 
 def test_unreachable_and_surplus_subscribers_are_dropped() -> None:

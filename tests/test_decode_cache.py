@@ -164,11 +164,15 @@ def router_status(url: str) -> dict:
 
 
 def test_a_link_full_of_kv_never_marks_md_down(setup: Setup) -> None:
-    """KV saturates the WAN for ~30 s. The router's /ping to MD waits in the link's queue behind
-    it and times out, but MD's cache-sync answers keep it up: MD is never marked down, the
-    control plane's round trip stays bounded and the request completes on P -> MD."""
+    """KV saturates the WAN for ~30 s. The router's /ping to MD, and MD's SGLang heartbeat to P's
+    bootstrap server, wait in the link's queue behind it and time out; MD's cache-sync answers
+    keep MD up at the router, the KV still arriving keeps P alive at MD: MD is never marked down,
+    the control plane's round trip stays bounded and MD decodes the whole answer."""
     rate = SATURATED_MBIT * 1e6 / 8
     tokens = int(rate * SATURATE_S / setup.kv_per_token)
+    assert setup.pdd.main.process is not None
+    md_log = setup.pdd.main.process.log_path
+    log_before = md_log.stat().st_size
     md = router_status(setup.pdd.url)["instances"]["main"][0]
     downs_before, slow_before = md["downs"], md["slow_checks"]
     samples: list[dict] = []
@@ -190,7 +194,8 @@ def test_a_link_full_of_kv_never_marks_md_down(setup: Setup) -> None:
         watcher.join(timeout=60)
     took = time.monotonic() - start
     meta = got["meta_info"]["pdd"]
-    assert meta["path"] == "P->MD" and len(got["output_ids"]) == MAX_NEW, meta
+    assert meta["path"] == "P->MD" and meta["md_failure"] is None, meta
+    assert meta["main_tokens"] == len(got["output_ids"]) == MAX_NEW, meta
     mains = [s["instances"]["main"][0] for s in samples]
     p99s = [c["sync_reply_p99_s"] for s in samples for c in s["md_caches"].values()]
     reply_p99 = max(p for p in p99s if p is not None)
@@ -207,3 +212,8 @@ def test_a_link_full_of_kv_never_marks_md_down(setup: Setup) -> None:
     assert slow >= 2, mains[-1]
     # ... while MD's answers on the control plane kept coming within the heard window.
     assert reply_p99 < 10.0, p99s
+    # MD's heartbeats to P's bootstrap missed too (SGLang would have failed the transfer), and
+    # were forgiven because P's KV kept arriving.
+    with open(md_log, "rb") as log:
+        log.seek(log_before)
+        assert b"the link is busy, not the server gone" in log.read()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pdd.router.config import Timeouts
 from pdd.srt.flags import ENV_ROLE, ENV_SECRET, PddConfig, add_args, config_from_args
 from pdd.srt.wan_transfer import ENV_FLOWS, ENV_RELEASE_HOLD, adjust_wan_args, flows
 from pdd.srt.wan_write import watchdog_s
@@ -61,6 +62,8 @@ def test_wan_flows_reach_mooncake_unless_the_user_set_its_variables(
         "MC_TCP_ENABLE_CONNECTION_POOL",
         ENV_FLOWS,
         "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER",
+        "MC_TCP_PROGRESS_TIMEOUT_SEC",
+        "MC_TCP_STATUS_TIMEOUT_SEC",
     ):  # monkeypatch removes them again
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("MC_TCP_ADMISSION_TIMEOUT_MS", "5")
@@ -69,6 +72,9 @@ def test_wan_flows_reach_mooncake_unless_the_user_set_its_variables(
     assert os.environ["MC_TCP_LANES_PER_PEER"] == "6"
     assert os.environ["MC_TCP_ENABLE_CONNECTION_POOL"] == "1"
     assert os.environ["MC_TCP_ADMISSION_TIMEOUT_MS"] == "5"  # the user's value stands
+    # A piece lasts as long as its write: Mooncake's 30 s would cut a slow one the router waits on
+    assert os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] == os.environ["MC_TCP_STATUS_TIMEOUT_SEC"]
+    assert float(os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"]) > Timeouts.ready
 
 
 def test_a_tcp_decoder_holds_abandoned_kv_slots_past_ps_write_watchdog(

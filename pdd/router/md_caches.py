@@ -73,9 +73,13 @@ class MdCaches:
             self.unknown += 1
             logger.warning("cache sync for unknown MD %r", msg.name)
             return
+        heard_before = msg.name in self.heard_at
         self.heard_at[msg.name] = self.now()
-        asked = self.pending.pop(msg.name, None)
-        if asked is not None:
+        # An answer to an ask is a heartbeat or a snapshot's first part; a delta may have left
+        # MD before the ask arrived. The first answer ever only tells how long MD took to start.
+        answer = msg.cleared or not (msg.added or msg.removed)
+        asked = self.pending.pop(msg.name, None) if answer else None
+        if asked is not None and heard_before:
             self.replies[msg.name].append(self.now() - asked)
         if self.on_heard is not None:
             self.on_heard(self.names.index(msg.name))
@@ -103,6 +107,7 @@ class MdCaches:
         why = self.silence(name)
         if why and name not in self.silent:
             self.silent.add(name)
+            self.pending.pop(name, None)  # its answer will measure the outage, not a round trip
             logger.warning("%s; requests sent to it wait for READY until --ready-timeout", why)
         elif not why and name in self.silent:
             self.silent.discard(name)

@@ -17,12 +17,13 @@ def all_hooks() -> list[Hook]:
         flags,
         idle,
         main_decode_hooks,
+        prefill_heartbeat,
         request_guard,
         wan_transfer,
     )
 
     return [*flags.HOOKS, *cpu_disagg.HOOKS, *cpu_tp.HOOKS, *idle.HOOKS, *main_decode_hooks.HOOKS,
-            *request_guard.HOOKS, *wan_transfer.HOOKS]  # fmt: skip
+            *prefill_heartbeat.HOOKS, *request_guard.HOOKS, *wan_transfer.HOOKS]  # fmt: skip
 
 
 def load() -> None:

@@ -1,6 +1,6 @@
 """This process's TCP connections to a peer, as the kernel lists them: whether closed ones still
-hold bytes for it, the round trip the kernel measured on the open ones, and making them reset,
-not drain, when the process exits.
+hold bytes for it, the round trip the kernel measured on the open ones, when they last received
+data, and making them reset, not drain, when the process exits.
 
 Mooncake's TCP transport owns these sockets; pdd only reads /proc and reads or sets an option
 on a duplicate of a socket's descriptor, so no transfer is disturbed. Linux only (as is Mooncake's
@@ -16,8 +16,9 @@ from collections.abc import Iterator
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
-# struct tcp_info (linux/tcp.h): tcpi_min_rtt, in microseconds, is the u32 at byte 148
-MIN_RTT_OFFSET = 148
+# struct tcp_info (linux/tcp.h): u32s at these bytes
+LAST_DATA_RECV_OFFSET = 52  # milliseconds since the connection last received data
+MIN_RTT_OFFSET = 148  # microseconds
 TCP_INFO_BYTES = 152
 
 
@@ -63,19 +64,29 @@ def min_rtt_s(peers: set[Address]) -> float | None:
     """The lowest round trip the kernel measured on this process's open connections to `peers`
     (TCP_INFO's min_rtt: the path's, without the queueing a busy link adds); None when there
     is no such connection yet."""
-    best = None
+    rtts = [rtt for rtt in _tcp_info_u32(peers, MIN_RTT_OFFSET) if rtt]
+    return min(rtts) / 1e6 if rtts else None
+
+
+def last_received_s(peers: set[Address]) -> float | None:
+    """Seconds since any of this process's open connections to `peers` last received data
+    (the peer is alive and its bytes get through); None without such a connection."""
+    ages = _tcp_info_u32(peers, LAST_DATA_RECV_OFFSET)
+    return min(ages) / 1e3 if ages else None
+
+
+def _tcp_info_u32(peers: set[Address], offset: int) -> list[int]:
+    """One u32 field of TCP_INFO from each of this process's open connections to `peers`."""
+    found = []
     for dup in _own_sockets(peers):
         with dup:
             try:
                 info = dup.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_BYTES)
             except OSError:
                 continue
-        if len(info) < TCP_INFO_BYTES:  # a kernel older than 4.6 has no min_rtt
-            continue
-        (rtt_us,) = struct.unpack_from("I", info, MIN_RTT_OFFSET)
-        if rtt_us and (best is None or rtt_us < best):
-            best = rtt_us
-    return None if best is None else best / 1e6
+        if len(info) >= offset + 4:  # older kernels have a shorter tcp_info
+            found.append(struct.unpack_from("I", info, offset)[0])
+    return found
 
 
 def _own_sockets(peers: set[Address]) -> Iterator[socket.socket]:

@@ -97,7 +97,7 @@ def adjust_wan_args(args: argparse.Namespace) -> None:
 def hold_released_slots() -> None:
     """A decoder that gave up on a request's KV frees its slots once P acknowledges the abort,
     or after ENV_RELEASE_HOLD. P's write can still deliver pieces until its watchdog
-    (`wan_write.watchdog_s`, 6 minutes by default) ends P: the hold must outlast that, or a late
+    (`wan_write.watchdog_s`, 8 minutes by default) ends P: the hold must outlast that, or a late
     piece lands in slots another request owns (docs/wan.md, "When a write fails")."""
     floor = watchdog_s(0) + RELEASE_HOLD_MARGIN_S
     given = os.environ.get(ENV_RELEASE_HOLD)

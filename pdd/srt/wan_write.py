@@ -35,7 +35,13 @@ POLL_SLEEP_S = (0.0002, 0.01)  # the poll's sleep grows from the first to the se
 # Mooncake fails a piece that waited this long for room in its per-peer queue (set below; a
 # piece that got room waits for a lane without a limit)
 ADMISSION_TIMEOUT_S = 120.0
-STATUS_TIMEOUT_S = 30.0  # Mooncake's wait for the receiver's ack once a piece's bytes are sent
+# Mooncake's limits on one piece's time on the wire (MC_TCP_PROGRESS_TIMEOUT_SEC, no completion
+# on its connection; MC_TCP_STATUS_TIMEOUT_SEC, the receiver's ack once the piece's bytes are in
+# the socket): 30 s by default, set here. With one piece per lane a piece lasts as long as the
+# whole write, so on a busy line a write MD still waits for (the router's READY timeout, 60 s)
+# would fail for being slow, its KV crossed for nothing.
+PIECE_TIMEOUT_S = 90.0
+STATUS_TIMEOUT_S = PIECE_TIMEOUT_S
 ENV_WATCHDOG = "PDD_WAN_WRITE_WATCHDOG_S"
 ORPHAN_POLL_S = 0.05
 STOP_EXIT_CODE = 70  # EX_SOFTWARE: what a process stopped by the watchdog exits with
@@ -46,12 +52,15 @@ Block = tuple[int, int, int]  # (source address, destination address, bytes)
 
 def mooncake_env(n: int) -> dict[str, str]:
     """What Mooncake's TCP transport reads at engine start-up to use `n` lanes per peer. Queue
-    limits are raised because a slow WAN keeps entries queued far longer than a LAN does."""
+    and piece limits are raised because a slow WAN keeps entries queued and on the wire far
+    longer than a LAN does."""
     return {
         "MC_TCP_ENABLE_CONNECTION_POOL": "1",
         "MC_TCP_LANES_PER_PEER": str(n),
         "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",  # its most
         "MC_TCP_ADMISSION_TIMEOUT_MS": str(int(ADMISSION_TIMEOUT_S * 1000)),
+        "MC_TCP_PROGRESS_TIMEOUT_SEC": str(int(PIECE_TIMEOUT_S)),
+        "MC_TCP_STATUS_TIMEOUT_SEC": str(int(STATUS_TIMEOUT_S)),
     }
 
 
