@@ -24,9 +24,11 @@ class CommandError(RuntimeError):
     pass
 
 
-def run(argv: list[str], check: bool = True, timeout: float = COMMAND_TIMEOUT_S) -> str:
+def run(
+    argv: list[str], check: bool = True, timeout: float = COMMAND_TIMEOUT_S, stdin: str = ""
+) -> str:
     """Run a short system command; returns stdout, raises CommandError with its stderr."""
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, input=stdin)
     if check and proc.returncode != 0:
         raise CommandError(f"`{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc.stdout

@@ -34,8 +34,9 @@ else
   DEVICE=cpu
 fi
 
-# System packages: Mooncake's CPU build links libibverbs; the testbed needs iproute2.
-APT_PACKAGES="libibverbs1 iproute2 curl"
+# System packages: Mooncake's CPU build links libibverbs; the testbed needs iproute2, and
+# WireGuard's userspace tools for its encrypted WAN leg (--tunnel).
+APT_PACKAGES="libibverbs1 iproute2 curl wireguard-go wireguard-tools"
 missing=""
 for pkg in $APT_PACKAGES; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing="$missing $pkg"
@@ -47,7 +48,7 @@ if [ -n "$missing" ]; then
   fi
   log "apt-get install$missing"
   apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
 fi
 
 stamp="$VENV/.pdd-setup-$DEVICE-$(cat requirements/cpu.txt setup.py launch/setup.sh | sha1sum | cut -c1-12)"

@@ -1,7 +1,7 @@
 """Two datacenters on one machine: network namespaces joined by an emulated WAN link.
 
     python -m pdd.launch.testbed up [--rate-mbit 200 --delay-ms 20 --jitter-ms 0 --loss 0]
-                                    [--flow-window-mb W]
+                                    [--flow-window-mb W] [--tunnel]
     python -m pdd.launch.testbed status
     python -m pdd.launch.testbed exec a -- CMD...        # run CMD inside datacenter A (or b)
     python -m pdd.launch.testbed fault cut [--seconds N] # also: rate --mbit X, delay --ms D,
@@ -43,6 +43,9 @@ at most about W MB per round trip, as a production WAN's flows do with stock Lin
 scale the window with it to keep that ratio (`scaled_window_mb`; the demo and the benchmarks
 that run PDD take `--flow-window-mb`, by default production's 64 MB scaled like their link).
 
+`--tunnel` puts the WAN leg inside WireGuard (`pdd.launch.tunnel`): servers bind to each
+side's tunnel address (NET.4.1, NET.4.2), and only WireGuard's UDP crosses the link.
+
 Faults (`Testbed.cut/restore/set_rate/add_delay`, or `fault ...`) go to the WAN daemon's control
 socket (`pdd.launch.wan`). Everything is named after the testbed, so `down` removes it by name:
 the daemon, processes left inside the namespaces, the namespaces and devices, the run folder.
@@ -61,7 +64,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pdd.launch import netns
+from pdd.launch import netns, tunnel
 from pdd.launch.cli import command_parser
 from pdd.launch.servers import Placement
 from pdd.launch.wan import LinkParams, WanClient, WanError
@@ -176,6 +179,7 @@ class Testbed:
     backend: str = "auto"  # "netem" when the kernel has it, else "tun"; or force either
     net: str = "10.201"  # first two octets of the testbed's addresses
     flow_window_mb: float | None = None  # per-flow TCP window cap; None: 64 MiB (uncapped)
+    tunnel: bool = False  # the WAN leg inside WireGuard (pdd.launch.tunnel)
 
     def __post_init__(self) -> None:
         if not 0 < len(self.name) <= MAX_NAME or not self.name.replace("-", "").isalnum():
@@ -190,7 +194,12 @@ class Testbed:
         return f"{self.name}-{self._check(side)}"
 
     def ip(self, side: str) -> str:
-        """The WAN address of datacenter `side`: what servers there bind to and announce."""
+        """What servers in datacenter `side` bind to and announce: its WAN address, or its
+        tunnel address when the WAN leg is tunnelled."""
+        return tunnel.address(self.net, self._check(side)) if self.tunnel else self.wan_ip(side)
+
+    def wan_ip(self, side: str) -> str:
+        """Datacenter `side`'s address on the WAN link itself."""
         return f"{self.net}.0.{SIDES.index(self._check(side)) + 1}"
 
     def mgmt_ip(self, side: str) -> str:
@@ -253,6 +262,8 @@ class Testbed:
                            "veth", "peer", "name", WAN_DEVICE, "netns", self.ns("b")])  # fmt: skip
             self._start_daemon(timeout)  # with the tun backend, the daemon creates the devices
             self._configure_wan()
+            if self.tunnel:
+                tunnel.up(self)
             self.state_path.write_text(json.dumps(self.describe(), indent=2) + "\n")
         except BaseException:
             self.down()
@@ -282,7 +293,7 @@ class Testbed:
             ip = ["ip", "-n", self.ns(side)]
             netns.run([*ip, "link", "set", WAN_DEVICE, "mtu", str(self.mtu), "txqueuelen",
                        str(TXQUEUELEN), "up"])  # fmt: skip
-            netns.run([*ip, "addr", "add", f"{self.ip(side)}/24", "dev", WAN_DEVICE])
+            netns.run([*ip, "addr", "add", f"{self.wan_ip(side)}/24", "dev", WAN_DEVICE])
 
     def _start_daemon(self, timeout: float) -> None:
         config = DaemonConfig(
@@ -327,6 +338,7 @@ class Testbed:
             inside = netns.pids(ns)
             terminate(inside)  # they would keep the namespace alive after `ip netns del`
             removed += [f"process {pid} in {ns}" for pid in inside]
+        removed += tunnel.down(self)
         for side in SIDES:
             host = self.host_device(side)
             if Path(f"/sys/class/net/{host}").exists():
@@ -352,14 +364,17 @@ class Testbed:
             raise FileNotFoundError(f"testbed {name} is not up (no {path})")
         state = json.loads(path.read_text())
         return cls(state["name"], LinkParams(**state["link"]), state["mtu"], state["backend"],
-                   state["net"], state.get("flow_window_mb"))  # fmt: skip
+                   state["net"], state.get("flow_window_mb"),
+                   state.get("tunnel", False))  # fmt: skip
 
     def describe(self) -> dict[str, Any]:
         return {
             "name": self.name, "net": self.net, "mtu": self.mtu, "backend": self.backend,
             "link": asdict(self.link), "flow_window_mb": self.flow_window_mb,
+            "tunnel": self.tunnel,
             "namespaces": {s: self.ns(s) for s in SIDES},
-            "wan_ip": {s: self.ip(s) for s in SIDES},
+            "wan_ip": {s: self.wan_ip(s) for s in SIDES},
+            "server_ip": {s: self.ip(s) for s in SIDES},
             "mgmt_ip": {s: self.mgmt_ip(s) for s in SIDES},
         }  # fmt: skip
 
@@ -410,14 +425,17 @@ class Testbed:
 
 def cmd_up(args: argparse.Namespace) -> None:
     link = LinkParams(args.rate_mbit, args.delay_ms, args.jitter_ms, args.loss, args.queue_ms)
-    tb = Testbed(args.name, link, args.mtu, args.backend, args.net, args.flow_window_mb)
+    tb = Testbed(args.name, link, args.mtu, args.backend, args.net, args.flow_window_mb,
+                 args.tunnel)  # fmt: skip
     tb.up()
     print(f"testbed {tb.name} up ({tb.backend}): {link.rate_mbit:g} Mbit/s, "
           f"{link.delay_ms:g} ms one-way (RTT {2 * link.delay_ms:g} ms), "
           f"jitter {link.jitter_ms:g} ms, loss {link.loss_pct:g}%, "
-          f"TCP window per flow {tb.flow_window_bytes / (1 << 20):g} MB")  # fmt: skip
+          f"TCP window per flow {tb.flow_window_bytes / (1 << 20):g} MB"
+          f"{', inside WireGuard' if tb.tunnel else ''}")  # fmt: skip
     for side in SIDES:
-        print(f"  datacenter {side.upper()}: namespace {tb.ns(side)}, WAN address {tb.ip(side)}")
+        print(f"  datacenter {side.upper()}: namespace {tb.ns(side)}, WAN address "
+              f"{tb.wan_ip(side)}, servers on {tb.ip(side)}")  # fmt: skip
 
 
 def cmd_down(args: argparse.Namespace) -> None:
@@ -473,6 +491,9 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--flow-window-mb", type=float, default=None,
                     help="cap each TCP flow's window (tcp_rmem/tcp_wmem max) in both "
                          "namespaces; default 64 MB, i.e. uncapped")  # fmt: skip
+    up.add_argument("--tunnel", action="store_true",
+                    help="carry the WAN leg inside WireGuard (wireguard-go); servers then use "
+                         "the tunnel addresses")  # fmt: skip
     up.set_defaults(func=cmd_up)
     sub.add_parser("down", help="remove everything of the testbed").set_defaults(func=cmd_down)
     sub.add_parser("status").set_defaults(func=cmd_status)

@@ -86,3 +86,18 @@ def test_a_fixed_number_is_used_as_given() -> None:
     for bad in ("0", "17", "x"):
         with pytest.raises(ValueError, match="must be 'auto' or in 1-16"):
             fixed_flows(bad)
+
+
+def test_the_first_write_teaches_though_its_connections_did_not_exist_at_its_start() -> None:
+    link = Link(200, 0.004, 256 << 10)  # low BDP: one flow fills it
+    clock = [0.0]
+    connections: list[str] = []  # the kernel measures an RTT only once a connection exists
+    chooser = FlowChooser(None, link.window, now=lambda: clock[0],
+                          rtt=lambda s: link.rtt_s if connections else None)  # fmt: skip
+    write = chooser.begin(PEER)
+    assert write.flows == START_FLOWS and chooser.status()[PEER]["rtt_s"] is None
+    connections.append(PEER)  # the write opened them
+    clock[0] += link.seconds(WRITE, START_FLOWS)
+    chooser.end(write, WRITE, ok=True)
+    assert chooser.status()[PEER]["rtt_s"] == link.rtt_s
+    assert chooser.begin(PEER).flows == 1  # not RTT_EVERY_S later

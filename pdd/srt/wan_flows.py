@@ -12,7 +12,8 @@ flows hurt as much as too few: with large windows their bursts overrun the bottl
 (docs/wan.md: 16 flows reached 0.47 of a line one flow filled to 0.97).
 
 Only writes that ran alone to their peer and were large enough to leave TCP's start-up behind
-teach anything; a peer's round trip is read again every `RTT_EVERY_S`.
+teach anything; a peer's round trip is read again every `RTT_EVERY_S`, and at the end of each
+write until it is known (its first write opens the connections it is read from).
 """
 
 from __future__ import annotations
@@ -129,20 +130,27 @@ class FlowChooser:
                           alone=peer.active == 1)  # fmt: skip
             stale = self.now() - peer.rtt_at >= RTT_EVERY_S
         if self.fixed is None and stale:
-            rtt = self.rtt(session)  # outside the lock: it reads /proc
-            with self.lock:
-                peer.rtt_at = self.now()
-                peer.rtt_s = rtt if rtt is not None else peer.rtt_s
+            self._read_rtt(session, peer)
         return write
 
     def end(self, write: Write, nbytes: int, ok: bool) -> None:
         """`write` ended: it moved `nbytes`, whole (`ok`) or not."""
+        peer = self.peers[write.session]
+        if self.fixed is None and peer.rtt_s is None:
+            self._read_rtt(write.session, peer)  # the write's own connections now exist
         with self.lock:
-            peer = self.peers[write.session]
             peer.active -= 1
             alone = write.alone and peer.begun == write.number  # no other began meanwhile
             if ok and alone and self.fixed is None:
                 peer.learn(nbytes, self.now() - write.started, write.flows)
+
+    def _read_rtt(self, session: str, peer: PeerFlows) -> None:
+        rtt = self.rtt(session)  # outside the lock: it reads /proc
+        if rtt is None:
+            return  # no connection yet: read again at the next chance
+        with self.lock:
+            peer.rtt_at = self.now()
+            peer.rtt_s = rtt
 
     def status(self) -> dict[str, dict[str, float | int | None]]:
         with self.lock:
