@@ -3,13 +3,13 @@ still arrives, on real loopback connections, and fails it as SGLang does once no
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections import defaultdict
 from typing import Any
 
 from pdd.srt import prefill_heartbeat
+from tests.loopback import connection
 
 P_HOST = "127.0.0.82"
 RANK_HOST = "127.0.0.83"
@@ -43,17 +43,14 @@ def test_the_ranks_kv_arriving_forgives_missed_heartbeats_until_it_stops() -> No
         *prefill_heartbeat.peer_addresses(f"{RANK_HOST}:0"),
     }
     # Only the rank's address, not the bootstrap host's, has a connection: the KV's.
-    with socket.create_server((RANK_HOST, 0)) as server:
-        with socket.create_connection(server.getsockname()) as sender:
-            receiver, _ = server.accept()
-            with receiver:
-                sender.sendall(b"kv")
-                assert receiver.recv(2) == b"kv"
-                fail(manager, addr)
-                assert manager.failed == [] and manager.heartbeat_failures[addr] == 0
-                time.sleep(0.5)  # longer than the misses' span: nothing arrived meanwhile
-                manager.heartbeat_failures[addr] = 2
-                fail(manager, addr)
+    with connection(RANK_HOST) as (sender, receiver):
+        sender.sendall(b"kv")
+        assert receiver.recv(2) == b"kv"
+        fail(manager, addr)
+        assert manager.failed == [] and manager.heartbeat_failures[addr] == 0
+        time.sleep(0.5)  # longer than the misses' span: nothing arrived meanwhile
+        manager.heartbeat_failures[addr] = 2
+        fail(manager, addr)
     assert manager.failed == [addr]
 
 

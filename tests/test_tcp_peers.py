@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pdd.srt import tcp_peers
+from tests.loopback import connection
 
 HEADER = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"  # noqa: E501
 PEER = ipaddress.ip_address("10.1.2.3")
@@ -92,16 +93,13 @@ def test_the_kernels_round_trip_is_read_from_this_processs_connections() -> None
     host = "127.0.0.78"
     peers = {ipaddress.ip_address(host)}
     assert tcp_peers.min_rtt_s(peers) is None  # no connection yet
-    with socket.create_server((host, 0)) as server:
-        with socket.create_connection(server.getsockname()) as client:
-            receiver, _ = server.accept()
-            with receiver:
-                for _ in range(5):  # a few round trips for the kernel to measure
-                    client.sendall(b"ping")
-                    assert receiver.recv(4) == b"ping"
-                    receiver.sendall(b"pong")
-                    assert client.recv(4) == b"pong"
-                rtt = tcp_peers.min_rtt_s(peers)
+    with connection(host) as (client, receiver):
+        for _ in range(5):  # a few round trips for the kernel to measure
+            client.sendall(b"ping")
+            assert receiver.recv(4) == b"ping"
+            receiver.sendall(b"pong")
+            assert client.recv(4) == b"pong"
+        rtt = tcp_peers.min_rtt_s(peers)
     assert rtt is not None and 0 < rtt < 0.05, rtt
 
 
@@ -109,15 +107,12 @@ def test_the_time_since_a_connection_to_the_peer_last_received_data_is_read() ->
     host = "127.0.0.80"
     peers = {ipaddress.ip_address(host)}
     assert tcp_peers.last_received_s(peers) is None  # no connection yet
-    with socket.create_server((host, 0)) as server:
-        with socket.create_connection(server.getsockname()) as client:
-            receiver, _ = server.accept()
-            with receiver:
-                client.sendall(b"kv")
-                assert receiver.recv(2) == b"kv"
-                fresh = tcp_peers.last_received_s(peers)
-                time.sleep(0.5)
-                stale = tcp_peers.last_received_s(peers)
+    with connection(host) as (client, receiver):
+        client.sendall(b"kv")
+        assert receiver.recv(2) == b"kv"
+        fresh = tcp_peers.last_received_s(peers)
+        time.sleep(0.5)
+        stale = tcp_peers.last_received_s(peers)
     # Both ends are this process's: the freshest of them (the receiver) counts.
     assert fresh is not None and fresh < 0.3, fresh
     assert stale is not None and stale >= 0.45, stale

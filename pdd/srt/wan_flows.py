@@ -12,7 +12,7 @@ flows hurt as much as too few: with large windows their bursts overrun the bottl
 (docs/wan.md: 16 flows reached 0.47 of a line one flow filled to 0.97).
 
 Only writes that ran alone to their peer and were large enough to leave TCP's start-up behind
-teach anything; a peer's round trip is read again every `RTT_EVERY_S`, and at the end of each
+teach anything, and never a peer's first (it opens the connections); a peer's round trip is read again every `RTT_EVERY_S`, and at the end of each
 write until it is known (its first write opens the connections it is read from).
 """
 
@@ -141,7 +141,8 @@ class FlowChooser:
         with self.lock:
             peer.active -= 1
             alone = write.alone and peer.begun == write.number  # no other began meanwhile
-            if ok and alone and self.fixed is None:
+            # A peer's first write opens its connections: TCP's set-up, not the line.
+            if ok and alone and write.number > 1 and self.fixed is None:
                 peer.learn(nbytes, self.now() - write.started, write.flows)
 
     def _read_rtt(self, session: str, peer: PeerFlows) -> None:
