@@ -279,13 +279,12 @@ def table(tb: Testbed, results: list[TransferResult]) -> str:
     lines.append("warm median ratio by flows: " + ", ".join(
         f"{n}: {warm_ratio(results, n):.3f}" for n in chosen(results)
     ))  # fmt: skip
-    lines.append(
-        f"{'every round intact' if all(r.intact for r in results) else 'CORRUPTED payload'}; "
-        f"target >= {TARGET_RATIO} with the {link_flows(tb)} flows this link needs "
-        "(2 x bandwidth-delay product / window)"
-    )
-    lines.append(f"warm median ratio {warm_ratio(results, str(link_flows(tb))):.3f}")
-    if AUTO_FLOWS in chosen(results):
+    lines.append("every round intact" if all(r.intact for r in results) else "CORRUPTED payload")
+    if str(link_flows(tb)) in chosen(results):  # measured: always, unless only auto was
+        lines.append(f"target >= {TARGET_RATIO} with the {link_flows(tb)} flows this link needs "
+                     "(2 x bandwidth-delay product / window)")  # fmt: skip
+        lines.append(f"warm median ratio {warm_ratio(results, str(link_flows(tb))):.3f}")
+    if AUTO_FLOWS in chosen(results) and len(chosen(results)) > 1:
         best = max(chosen(results)[:-1], key=lambda n: warm_ratio(results, n))
         lines.append(f"auto chose {auto_flows(results)} flows; the best hand-picked: {best} "
                      f"({warm_ratio(results, best):.3f}); auto's ratio to it "
