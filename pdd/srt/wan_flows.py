@@ -12,8 +12,9 @@ flows hurt as much as too few: with large windows their bursts overrun the bottl
 (docs/wan.md: 16 flows reached 0.47 of a line one flow filled to 0.97).
 
 Only writes that ran alone to their peer and were large enough to leave TCP's start-up behind
-teach anything, and never a peer's first (it opens the connections); a peer's round trip is read again every `RTT_EVERY_S`, and at the end of each
-write until it is known (its first write opens the connections it is read from).
+teach anything, and never a peer's first (it opens the connections). A peer's round trip is
+read at the end of each write until it is known (the first write opens the connections it is
+read from), then again every `RTT_EVERY_S`.
 """
 
 from __future__ import annotations
