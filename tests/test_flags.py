@@ -10,7 +10,13 @@ import pytest
 
 from pdd.router.config import Timeouts
 from pdd.srt.flags import ENV_ROLE, ENV_SECRET, PddConfig, add_args, config_from_args
-from pdd.srt.wan_transfer import ENV_FLOWS, ENV_RELEASE_HOLD, adjust_wan_args, flows
+from pdd.srt.wan_transfer import (
+    ENV_FLOWS,
+    ENV_RELEASE_HOLD,
+    _around_poison_unsettled_send,
+    adjust_wan_args,
+    flows,
+)
 from pdd.srt.wan_write import watchdog_s
 
 
@@ -95,6 +101,24 @@ def test_a_tcp_decoder_holds_abandoned_kv_slots_past_ps_write_watchdog(
     adjust_wan_args(decoder_args("decode", *tcp))
     assert os.environ[ENV_RELEASE_HOLD] == "45"  # the user's value stands, with a warning
     assert "shorter than P's write watchdog" in caplog.text
+
+
+def test_p_acknowledges_a_decoders_abort_after_its_own_failed_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SGLang withholds the acknowledgement after a failed send (its write can return with
+    pieces running); pdd's write cannot, so on TCP the decoder gets it and frees its slots."""
+    poisoned: list[int] = []
+
+    def poison(manager: object, room: int) -> None:  # SGLang's, unpatched
+        poisoned.append(room)
+
+    for key in ("MC_FORCE_TCP", "MOONCAKE_PROTOCOL"):
+        monkeypatch.delenv(key, raising=False)
+    _around_poison_unsettled_send(poison, object(), 7)  # RDMA: SGLang's own write ran
+    monkeypatch.setenv("MC_FORCE_TCP", "1")
+    _around_poison_unsettled_send(poison, object(), 8)  # TCP: pdd's write ran, and settled
+    assert poisoned == [7]
 
 
 def decoder_args(mode: str, *argv: str) -> argparse.Namespace:

@@ -134,10 +134,21 @@ def _around_batch_transfer_sync(
     return rc
 
 
+def _around_poison_unsettled_send(original: Any, manager: Any, room: int) -> None:
+    # SGLang withholds P's acknowledgement of a decoder's abort after a failed send, because its
+    # own synchronous write can return with pieces still running; the decoder then holds the
+    # request's slots for its whole release timeout (hold_released_slots: 9 minutes). pdd's
+    # write returns only once no byte of it can land, so the acknowledgement is safe at once.
+    if not tcp_transport():
+        original(manager, room)
+
+
 # SGLang's own wrapper of the Mooncake engine: every KV and aux write of its Mooncake connector
 # (whole pages, and the head slices of unequal TP) goes through it.
 HOOKS = (
     Hook("sglang.srt.distributed.device_communicators.mooncake_transfer_engine."
          "MooncakeTransferEngine.batch_transfer_sync", _around_batch_transfer_sync,
          HookType.AROUND, "(self, session_id, buffers, peer_buffer_addresses, lengths)"),
+    Hook("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._poison_unsettled_send",
+         _around_poison_unsettled_send, HookType.AROUND, "(self, room)"),
 )  # fmt: skip
