@@ -21,10 +21,9 @@ engines share the cores with it.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
-from pdd.eval.bench_wan_mooncake import TransferResult, table, transfer
+from pdd.eval.bench_wan_mooncake import TransferResult, table, transfer, warm_ratio
 from pdd.launch import tunnel
 from pdd.launch.cli import command_parser
 from pdd.launch.testbed import Testbed
@@ -51,10 +50,6 @@ def measure(args: argparse.Namespace, inside: bool) -> tuple[Testbed, list[Trans
     return tb, results, cpu
 
 
-def warm_mbit(results: list[TransferResult]) -> float:
-    return statistics.median(r.achieved_mbit for r in results if r.round == "warm")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = command_parser(MODULE, __doc__)
     parser.add_argument("--mib", type=int, default=32)
@@ -75,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         if not all(r.intact for r in results):
             raise SystemExit(f"a payload arrived corrupted ({name})")
         print(f"{name}:\n{table(tb, results)}", flush=True)
-        rates[inside] = warm_mbit(results)
+        rates[inside] = warm_ratio(results, AUTO_FLOWS) * tb.link.rate_mbit
         if inside:
             cpu_per_gb = cpu / (sum(r.nbytes for r in results) / 1e9)
     ratio = rates[True] / rates[False]

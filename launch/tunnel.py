@@ -7,8 +7,7 @@ datacenter's servers bind to and announce their tunnel address, and only WireGua
 each host or gateway with the kernel's WireGuard; the testbed's kernel has none, so each
 datacenter runs wireguard-go (the userspace implementation, on a TUN device; it insists on
 WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD=1 on Linux, set here), which costs CPU
-per byte that the kernel module costs far less of: `pdd.eval.bench_wan_mooncake --tunnel`
-measures it.
+per byte that the kernel module costs far less of: `pdd.eval.bench_tunnel` measures it.
 
 Testbed layout (`Testbed(tunnel=True)`, `testbed up --tunnel`): in each namespace a WireGuard
 device NAME-w{a,b} with address NET.4.{1,2}/24 (`Testbed.ip` then returns it), its peer's

@@ -237,7 +237,7 @@ def test_a_successful_write_does_not_wait_for_closed_connections(
 
 def test_the_watchdog_is_well_beyond_mooncakes_own_limits(monkeypatch: pytest.MonkeyPatch) -> None:
     gb = 10**9
-    mooncake = ww.ADMISSION_TIMEOUT_S + ww.deadline_s(gb) + ww.STATUS_TIMEOUT_S  # 120 + 31 + 90
+    mooncake = ww.ADMISSION_TIMEOUT_S + ww.deadline_s(gb) + ww.PIECE_TIMEOUT_S  # 120 + 31 + 90
     assert ww.watchdog_s(gb) == 2 * mooncake
     monkeypatch.setenv("MC_TCP_ADMISSION_TIMEOUT_MS", "10000")  # as Mooncake reads them
     monkeypatch.setenv("MC_TCP_STATUS_TIMEOUT_SEC", "5")

@@ -41,7 +41,6 @@ ADMISSION_TIMEOUT_S = 120.0
 # whole write, so on a busy line a write MD still waits for (the router's READY timeout, 60 s)
 # would fail for being slow, its KV crossed for nothing.
 PIECE_TIMEOUT_S = 90.0
-STATUS_TIMEOUT_S = PIECE_TIMEOUT_S
 ENV_WATCHDOG = "PDD_WAN_WRITE_WATCHDOG_S"
 ORPHAN_POLL_S = 0.05
 STOP_EXIT_CODE = 70  # EX_SOFTWARE: what a process stopped by the watchdog exits with
@@ -60,7 +59,7 @@ def mooncake_env(n: int) -> dict[str, str]:
         "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",  # its most
         "MC_TCP_ADMISSION_TIMEOUT_MS": str(int(ADMISSION_TIMEOUT_S * 1000)),
         "MC_TCP_PROGRESS_TIMEOUT_SEC": str(int(PIECE_TIMEOUT_S)),
-        "MC_TCP_STATUS_TIMEOUT_SEC": str(int(STATUS_TIMEOUT_S)),
+        "MC_TCP_STATUS_TIMEOUT_SEC": str(int(PIECE_TIMEOUT_S)),
     }
 
 
@@ -98,7 +97,7 @@ def watchdog_s(nbytes: int) -> float:
     PDD_WAN_WRITE_WATCHDOG_S, else twice the longest a piece takes within Mooncake's own limits
     (its wait for admission, the transfer within `deadline_s`, the receiver's ack)."""
     admission = _env_seconds("MC_TCP_ADMISSION_TIMEOUT_MS", ADMISSION_TIMEOUT_S * 1000) / 1000
-    status = _env_seconds("MC_TCP_STATUS_TIMEOUT_SEC", STATUS_TIMEOUT_S)
+    status = _env_seconds("MC_TCP_STATUS_TIMEOUT_SEC", PIECE_TIMEOUT_S)
     return _env_seconds(ENV_WATCHDOG, 2 * (admission + deadline_s(nbytes) + status))
 
 
