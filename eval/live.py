@@ -220,7 +220,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--requests", type=int, default=40,
         help="per pass (default %(default)s: about 5 minutes a pass at 0.15 req/s)",
     )  # fmt: skip
-    parser.add_argument("--sessions", type=int, default=6, help="agent sessions at once")
+    parser.add_argument(
+        "--sessions", type=int, default=None,
+        help="agent sessions at once (default: enough that the turn gap does not cap the rate)",
+    )  # fmt: skip
     parser.add_argument(
         "--turn-gap",
         type=float,

@@ -10,6 +10,7 @@ the trace's working set, so that the decode cache holds what production's would.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -35,16 +36,28 @@ class TraceSpec:
 
     path: Path | None = None
     requests: int = 40
-    sessions: int = 6
+    sessions: int | None = None  # None: sessions_for(rate)
     scale: float = 0.015
     seed: int = 0
     turn_gap_s: float = 20.0  # a session's next turn comes after its answer (and its tool)
     burst: int = 0  # low-hit requests added at once mid-trace (generated traces only)
 
     def config(self, rate: float) -> WorkloadConfig:
-        cfg = WorkloadConfig(seed=self.seed, requests=self.requests, sessions=self.sessions,
+        sessions = self.sessions or sessions_for(rate, self.turn_gap_s)
+        cfg = WorkloadConfig(seed=self.seed, requests=self.requests, sessions=sessions,
                              rate=rate, turn_gap_s=self.turn_gap_s, warm=True)  # fmt: skip
         return cfg.scaled(self.scale)
+
+
+MIN_SESSIONS = 6
+SESSION_HEADROOM = 1.5
+
+
+def sessions_for(rate: float, turn_gap_s: float) -> int:
+    """Sessions enough that the turn gap does not cap the arrival rate: n sessions whose turns
+    are turn_gap_s apart offer at most n / turn_gap_s requests per second, so a fixed count
+    would make a rate sweep add no load above it."""
+    return max(MIN_SESSIONS, math.ceil(SESSION_HEADROOM * rate * turn_gap_s))
 
 
 def trace_at(spec: TraceSpec, rate: float | None) -> list[TraceRequest]:

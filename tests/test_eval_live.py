@@ -15,6 +15,7 @@ from pdd.eval.live_plan import (
     TraceSpec,
     low_hit_burst,
     pool_tokens,
+    sessions_for,
     trace_at,
     warmup,
     working_set,
@@ -37,6 +38,15 @@ def test_the_default_trace_is_in_pdds_regime() -> None:
     assert trace_at(spec, 0.15) == trace and trace_at(spec, 0.3) != trace
     systems = warmup(spec)
     assert systems and all(r.output_tokens == 1 for r in systems)
+
+
+def test_a_higher_rate_offers_more_load() -> None:
+    # Six sessions whose turns are >= 20 s apart offer ~0.3 req/s at most, whatever is asked.
+    capped = trace_at(TraceSpec(sessions=6), 0.9)
+    trace = trace_at(TraceSpec(), 0.9)  # sessions enough for the rate
+    assert sessions_for(0.9, 20.0) == 27 and sessions_for(0.15, 20.0) == 6
+    assert len(trace) / trace[-1].arrival_s >= 0.65 > 0.35 >= len(capped) / capped[-1].arrival_s
+    assert abs(hit_rate_summary(trace)["mean_hit"] - 0.90) <= 0.05
 
 
 def test_a_low_hit_burst_joins_the_trace_at_its_midpoint() -> None:

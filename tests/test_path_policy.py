@@ -14,6 +14,7 @@ from pdd.router.estimates import (
     FirstTokenResidual,
     RelaySpeed,
     direct_wan_seconds,
+    relayed_direct_ttft,
     wan_estimate,
 )
 from pdd.router.health import Health
@@ -272,3 +273,11 @@ def test_first_token_residual_forgets_so_md_is_measured_again() -> None:
     assert r.value(now=5.0) == pytest.approx(2.0)
     # Long after: the residual that kept requests off P->MD is gone, so P->MD is tried again.
     assert r.value(now=5.0 + RESIDUAL_TTL_S) == 0.0
+
+
+def test_a_relayed_request_tells_what_p_to_md_would_have_taken() -> None:
+    # P answered RLD after 0.4 s (queue + compute); MD, fed at 0.5 s, was READY at 0.8 s.
+    timings = {"prefill_done": 0.4, "prefill_md_sent": 0.5, "ready": 0.8, "first_token": 0.45}
+    assert relayed_direct_ttft(timings) == pytest.approx(0.7)
+    assert relayed_direct_ttft({"prefill_done": 0.4, "ready": 0.8}) is None, "MD never fed"
+    assert relayed_direct_ttft({"prefill_md_sent": 0.5, "ready": 0.8}) is None, "no P answer"

@@ -148,6 +148,10 @@ def learnt_mds(setup: Setup) -> int:
     return sum(bool(m["wan"]["mbit_per_s"]) for m in setup.status()["instances"]["main"])
 
 
+def first_token_samples(setup: Setup) -> int:
+    return sum(m["first_token_samples"] for m in setup.status()["instances"]["main"])
+
+
 def test_fresh_prompts_with_long_answers_are_relayed_then_handed_off(setup: Setup) -> None:
     # Nothing measured yet: the safe path. Each transfer teaches the router its MD's link; the
     # router learns each MD on its own, so fresh prompts go on until both MDs have one (the
@@ -167,9 +171,12 @@ def test_a_conversations_next_turn_goes_straight_to_the_md_that_holds_it(setup: 
     ids = random_ids(600, seed=3)
     # A long answer, handed off: MD keeps the prompt and the answer.
     before = mirrored_tokens(setup.router.url)
+    samples = first_token_samples(setup)
     first = setup.ask(ids, LONG, pdd_hold_relay=HOLD)
     first_meta = first["meta_info"]["pdd"]
     assert first_meta["path"] == "P->RLD->MD" and first_meta["main_tokens"] > 0, first_meta
+    # With the link learnt, a relayed request also tells what P->MD's first token would take.
+    assert first_token_samples(setup) == samples + 1, setup.status()["instances"]["main"]
     # The router learns what MD holds from MD's cache sync: wait until it mirrors the turn.
     holds = len(ids) + len(first["output_ids"]) - 1  # the last token's KV is never computed
     wait_mirrored(setup.router.url, before + holds - BLOCK_SLACK)

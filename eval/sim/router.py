@@ -3,15 +3,17 @@ with the live router's own estimators (`pdd.router.estimates`) and path policy
 (`pdd.policy.path`), so that the simulator measures the real decisions.
 
 What it learns, as the live router does: per MD, the WAN (KV bytes per token, bandwidth and
-fixed latency, from each READY) and what P->MD first tokens took beyond their prediction; RLD's
-time per output token from its streams; P's time per uncached token from its answers on paths
-whose KV stays in datacenter A. `warm_estimates` starts it knowing the KV per token, the flow
-rate, RLD's step and P's true compute (until it has learnt P's)."""
+fixed latency, from each READY) and what P->MD first tokens took beyond their prediction (or,
+on P->RLD->MD, would have taken); RLD's time per output token from its streams; P's time per
+uncached token from its answers on paths whose KV stays in datacenter A. `warm_estimates`
+starts it knowing the KV per token, the flow rate, RLD's step and P's true compute (until it
+has learnt P's)."""
 
 from __future__ import annotations
 
 from pdd.eval.sim.config import ClusterConfig
 from pdd.eval.sim.requests import SimRequest
+from pdd.eval.sim.tiers import RequestState
 from pdd.policy.balance import pick_least_loaded
 from pdd.policy.path import PathChoice, Signals, choose_path, direct_ttft_base
 from pdd.router.estimates import (
@@ -20,6 +22,7 @@ from pdd.router.estimates import (
     RelaySpeed,
     WanEstimate,
     direct_wan_seconds,
+    relayed_direct_ttft,
 )
 
 
@@ -87,6 +90,18 @@ class RouterView:
         if direct:
             seconds = direct_wan_seconds(seconds, compute_s)
         self.wan[md].observe(int(kv_bytes), suffix, seconds, now)
+
+    def observe_relayed_ready(self, st: RequestState, now: float) -> None:
+        """READY on P->RLD->MD: what P->MD's first token would have taken (the live router's
+        `relayed_direct_ttft`), from P's answer for RLD and the time MD was fed."""
+        if st.md is None or st.relay_answered_s is None:
+            return
+        t0 = st.req.arrival_s
+        timings = {"prefill_done": st.relay_answered_s - t0,
+                   "prefill_md_sent": st.wan_sent_s - t0, "ready": now - t0}  # fmt: skip
+        direct = relayed_direct_ttft(timings)
+        if direct is not None:
+            self.observe_first_token(st.md, direct, st.direct_base_s, now)
 
     def observe_first_token(self, md: int, ttft_s: float, base_s: float | None,
                             now: float) -> None:  # fmt: skip

@@ -187,6 +187,7 @@ class Simulation:
     def _to_relay(self, st: RequestState) -> None:
         """P answers (the KV is on RLD): the router learns P's speed from it."""
         req = st.req
+        st.relay_answered_s = self.clock.now
         self.router.prefill_speed.observe(req.prompt_tokens - req.cached_tokens,
                                           self.clock.now - req.arrival_s)  # fmt: skip
         if st.finished or st.relay_stopped:
@@ -285,6 +286,7 @@ class Simulation:
             return
         suffix = st.req.prompt_tokens - st.md_hit
         self.router.observe_ready(st.md, st.wan_bytes, suffix, now - st.wan_sent_s, now)
+        self.router.observe_relayed_ready(st, now)
         pending = self._available(st)
         left = st.req.output_tokens - pending
         if self._relay_running(st) and relay_finishes(self.cfg.handoff, left=left):

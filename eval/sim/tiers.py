@@ -41,6 +41,7 @@ class RequestState:
     wan_bytes: float = 0.0
     rdma_bytes: float = 0.0
     wan_sent_s: float = 0.0
+    relay_answered_s: float | None = None  # P's answer for RLD (its KV is on RLD)
     tokens: dict[str, int] = field(default_factory=dict)
     mode: str | None = None
     chunks: int = 0

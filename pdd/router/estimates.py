@@ -148,6 +148,9 @@ class FirstTokenResidual:
     def observe(self, seconds: float, now: float) -> None:
         self.recent.append((now, seconds))
 
+    def samples(self, now: float) -> int:
+        return sum(now - t <= RESIDUAL_TTL_S for t, _ in self.recent)
+
     def value(self, now: float) -> float:
         """RESIDUAL_QUANTILE of the residuals younger than RESIDUAL_TTL_S (never below 0), or 0
         until there are RESIDUAL_MIN_SAMPLES of them."""
@@ -156,6 +159,19 @@ class FirstTokenResidual:
             return 0.0
         rank = min(len(live) - 1, math.ceil(RESIDUAL_QUANTILE * len(live)) - 1)
         return max(live[rank], 0.0)
+
+
+def relayed_direct_ttft(timings: dict[str, float]) -> float | None:
+    """For a P -> RLD -> MD request, what P -> MD's first token would have taken: P's answer for
+    RLD (its queue and compute) plus feeding MD to READY (MD's admission, the bootstrap, the KV
+    crossing, READY's trip back), short of MD's first step only. Every relayed request so
+    teaches the direct path's residual under the load of the moment: learnt from P -> MD
+    requests alone, one slow first token would keep every request off P -> MD, and so unmeasured,
+    for RESIDUAL_TTL_S."""
+    done, sent, ready = (timings.get(k) for k in ("prefill_done", "prefill_md_sent", "ready"))
+    if done is None or sent is None or ready is None or ready < sent:
+        return None
+    return done + ready - sent
 
 
 def direct_wan_seconds(total_s: float, compute_s: float | None) -> float:

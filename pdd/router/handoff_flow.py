@@ -10,7 +10,7 @@ import time
 from pdd.control.channel import Received
 from pdd.control.messages import Ack, Cancel, Chunk, Error, Handoff, Ready
 from pdd.policy.handoff import choose_mode, handoff_tokens, next_step, relay_finishes
-from pdd.router.estimates import direct_wan_seconds
+from pdd.router.estimates import direct_wan_seconds, relayed_direct_ttft
 from pdd.router.planner import max_new_tokens
 from pdd.router.request_base import RequestBase
 from pdd.router.request_types import MdState, Output, RelayState, cut
@@ -81,7 +81,12 @@ class HandoffFlow(RequestBase):
         elif "prefill_main_sent" in t:
             compute = self.ctx.prefill_speed.prefill_s(tokens)
             seconds = direct_wan_seconds(t["ready"] - t["prefill_main_sent"], compute)
-        wan = self.ctx.wan[self.held["main"]]
+        main = self.held["main"]
+        base = self.plan.direct_ttft_s
+        direct = relayed_direct_ttft(t) if self.path == "pdd" else None
+        if direct is not None and base is not None and self.meta.resumed_at is None:
+            self.ctx.first_token_residual[main].observe(direct - base, time.monotonic())
+        wan = self.ctx.wan[main]
         if not wan.observe(msg.wan_kv_bytes, tokens, seconds, time.monotonic()):
             logger.info("request %s: WAN sample %.2fs for %d bytes left out as an outlier",
                         self.rid, seconds, msg.wan_kv_bytes)  # fmt: skip

@@ -54,8 +54,9 @@ def status_body(ctx: RouterContext, uptime_s: float) -> dict[str, Any]:
     now = time.monotonic()
     for i, est in enumerate(ctx.wan):
         instances["main"][i]["wan"] = est.to_dict()
-        extra = ctx.first_token_residual[i].value(now)
-        instances["main"][i]["first_token_extra_s"] = round(extra, 4)
+        residual = ctx.first_token_residual[i]
+        instances["main"][i]["first_token_extra_s"] = round(residual.value(now), 4)
+        instances["main"][i]["first_token_samples"] = residual.samples(now)
     return {
         "uptime_s": round(uptime_s, 3),
         "default_path": config.path,
