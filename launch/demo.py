@@ -50,12 +50,9 @@ SYSTEM = (
     "mistakes people make with it."
 )
 TASK = "I am reviewing a Python code base. Read the documentation I point you to and explain it."
-# Two sessions of the same shape; each path gets its own, so neither profits from the other's
-# prefix cache on P.
-TOPICS = {
-    "naive": ["if", "for", "with", "function", "return", "global"],
-    "pdd": ["while", "try", "class", "import", "raise", "lambda"],
-}
+# Both paths run the same conversation (greedy: the same answers, so each turn's time compares
+# the same work); every tier's cache is flushed before each, so neither profits from the other.
+TOPICS = ["while", "try", "class", "import", "raise", "lambda"]
 TOOL_CHARS = 700
 # Each session's name and the path its requests ask for (None: the router's own choice).
 PATHS: dict[str, tuple[str, str | None]] = {"naive": ("naive cross-DC PD", "main"),
@@ -115,8 +112,8 @@ def stream_chat(url: str, body: dict, timeout: float = 600.0) -> Chat:
     return Chat(text, ttft, time.monotonic() - start, int(usage.get("prompt_tokens", 0)), meta)
 
 
-def flush_md_cache(url: str, timeout_s: float = 60.0) -> None:
-    """Empties MD's decode-side radix cache, as if it had none (naive cross-DC PD)."""
+def flush_cache(url: str, timeout_s: float = 60.0) -> None:
+    """Empties a server's radix cache (MD's: as if it had none, for naive cross-DC PD)."""
     deadline = time.monotonic() + timeout_s
     while True:
         req = urllib.request.Request(f"{url}/flush_cache", method="POST")
@@ -127,7 +124,7 @@ def flush_md_cache(url: str, timeout_s: float = 60.0) -> None:
         except urllib.error.HTTPError:
             pass  # requests still running (a transfer the router let finish): try again
         if time.monotonic() > deadline:
-            raise RuntimeError("MD's cache could not be flushed")
+            raise RuntimeError(f"the cache of {url} could not be flushed")
         time.sleep(0.5)
 
 
@@ -144,10 +141,11 @@ def run_session(pdd: PDDDeployment, key: str, turns: int, max_new: int) -> Sessi
     naive = key == "naive"
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
     session = Session(label)
-    flush_md_cache(pdd.main.url)  # each session starts with nothing of the other on MD
-    for topic in TOPICS[key][:turns]:
+    for server in (pdd.prefill, pdd.relay, pdd.main):
+        flush_cache(server.url)  # each session starts with nothing of the other cached
+    for topic in TOPICS[:turns]:
         if naive and session.turns:
-            flush_md_cache(pdd.main.url)
+            flush_cache(pdd.main.url)
         time.sleep(THINK_S)
         doc = " ".join(pydoc_data.topics.topics[topic].split())[:TOOL_CHARS]
         messages.append({"role": "user", "content": f"read_doc({topic!r}) returned:\n{doc}"})
@@ -188,8 +186,10 @@ def summary(sessions: list[Session]) -> str:
     e2e_a = statistics.fmean(t.total_s for t in naive.turns)
     e2e_b = statistics.fmean(t.total_s for t in pdd.turns)
     faster = sum(b.total_s < a.total_s for a, b in zip(naive.turns, pdd.turns, strict=True))
+    same = sum(a.answer == b.answer for a, b in zip(naive.turns, pdd.turns, strict=True))
     lines.append(f"mean end-to-end: naive cross-DC PD {e2e_a:.2f}s, PDD {e2e_b:.2f}s; PDD "
-                 f"finished first in {faster} of {len(pdd.turns)} turns")  # fmt: skip
+                 f"finished first in {faster} of {len(pdd.turns)} turns (same answer on both "
+                 f"paths in {same})")  # fmt: skip
     main = sum(t.main_tokens for t in pdd.turns)
     total = main + sum(t.relay_tokens for t in pdd.turns)
     later = pdd.turns[1:]
