@@ -43,7 +43,9 @@ class TraceSpec:
     burst: int = 0  # low-hit requests added at once mid-trace (generated traces only)
 
     def config(self, rate: float) -> WorkloadConfig:
-        sessions = self.sessions or sessions_for(rate, self.turn_gap_s)
+        sessions = self.sessions
+        if sessions is None:
+            sessions = sessions_for(rate, self.turn_gap_s)
         cfg = WorkloadConfig(seed=self.seed, requests=self.requests, sessions=sessions,
                              rate=rate, turn_gap_s=self.turn_gap_s, warm=True)  # fmt: skip
         return cfg.scaled(self.scale)

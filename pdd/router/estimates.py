@@ -148,13 +148,17 @@ class FirstTokenResidual:
     def observe(self, seconds: float, now: float) -> None:
         self.recent.append((now, seconds))
 
+    def _live(self, now: float) -> list[float]:
+        """The residuals younger than RESIDUAL_TTL_S."""
+        return [x for t, x in self.recent if now - t <= RESIDUAL_TTL_S]
+
     def samples(self, now: float) -> int:
-        return sum(now - t <= RESIDUAL_TTL_S for t, _ in self.recent)
+        return len(self._live(now))
 
     def value(self, now: float) -> float:
         """RESIDUAL_QUANTILE of the residuals younger than RESIDUAL_TTL_S (never below 0), or 0
         until there are RESIDUAL_MIN_SAMPLES of them."""
-        live = sorted(x for t, x in self.recent if now - t <= RESIDUAL_TTL_S)
+        live = sorted(self._live(now))
         if len(live) < RESIDUAL_MIN_SAMPLES:
             return 0.0
         rank = min(len(live) - 1, math.ceil(RESIDUAL_QUANTILE * len(live)) - 1)

@@ -45,6 +45,7 @@ class HandoffFlow(RequestBase):
         self.meta.md_prompt_tokens = msg.prompt_len
         self._count_hit("MD", msg.cached_len, msg.prompt_len)
         self._observe_wan(msg)
+        self._observe_relayed_first_token()
         if self.answer is not None:  # P -> MD: MD's answer waited for this READY
             return [self._final(self.answer)]
         if self.md is not MdState.PENDING:
@@ -81,15 +82,21 @@ class HandoffFlow(RequestBase):
         elif "prefill_main_sent" in t:
             compute = self.ctx.prefill_speed.prefill_s(tokens)
             seconds = direct_wan_seconds(t["ready"] - t["prefill_main_sent"], compute)
-        main = self.held["main"]
-        base = self.plan.direct_ttft_s
-        direct = relayed_direct_ttft(t) if self.path == "pdd" else None
-        if direct is not None and base is not None and self.meta.resumed_at is None:
-            self.ctx.first_token_residual[main].observe(direct - base, time.monotonic())
-        wan = self.ctx.wan[main]
+        wan = self.ctx.wan[self.held["main"]]
         if not wan.observe(msg.wan_kv_bytes, tokens, seconds, time.monotonic()):
             logger.info("request %s: WAN sample %.2fs for %d bytes left out as an outlier",
                         self.rid, seconds, msg.wan_kv_bytes)  # fmt: skip
+
+    def _observe_relayed_first_token(self) -> None:
+        """On P -> RLD -> MD, READY tells what P -> MD's first token would have taken: it teaches
+        the direct path's residual as a P -> MD first token does (`_observe_latency`)."""
+        base = self.plan.direct_ttft_s
+        if self.path != "pdd" or base is None or self.meta.resumed_at is not None:
+            return
+        direct = relayed_direct_ttft(self.meta.timings)
+        if direct is not None:
+            residual = self.ctx.first_token_residual[self.held["main"]]
+            residual.observe(direct - base, time.monotonic())
 
     def _on_ack(self, msg: Ack) -> list[Output]:
         if self.md is not MdState.CATCHUP or self.inflight is None:
