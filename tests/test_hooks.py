@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sglang.srt.server_args import ServerArgs
 
-from pdd.srt import SGLANG_VERSION, hooks
+from pdd.srt import SGLANG_VERSION, cpu_fork, hooks
 from pdd.srt.plugin import all_hooks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,3 +97,21 @@ def test_every_sglang_pin_is_the_version_pdd_srt_names() -> None:
     pins = {str(f.relative_to(ROOT)): sglang_pins(f) for f in files}
     assert pins["setup.py"] and pins["launch/setup.sh"], pins  # the two that install it
     assert {v for found in pins.values() for v in found} == {SGLANG_VERSION}, pins
+
+
+def test_cpu_servers_fork_their_subprocesses_and_others_keep_spawn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    methods: list[str] = []
+    monkeypatch.setattr(
+        cpu_fork.multiprocessing, "set_start_method", lambda m, force: methods.append(m)
+    )
+    monkeypatch.setattr(cpu_fork, "has_gpu", lambda: False)
+    assert cpu_fork.start_method("cpu") == "fork"
+    assert cpu_fork.start_method("cuda") is None
+    assert cpu_fork.start_method(None) is None
+    cpu_fork._after_set_envs_and_config(None, SimpleNamespace(device="cuda"))
+    cpu_fork._after_set_envs_and_config(None, SimpleNamespace(device="cpu"))
+    assert methods == ["fork"]
+    monkeypatch.setattr(cpu_fork, "has_gpu", lambda: True)
+    assert cpu_fork.start_method("cpu") is None

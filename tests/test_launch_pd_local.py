@@ -21,13 +21,34 @@ def cli(run_dir: Path, *args: str, timeout: float = 400) -> str:
     return out.stdout
 
 
-def test_up_serves_then_down_leaves_no_process(tiny_model: Path, tmp_path: Path) -> None:
+def group_cmdlines(pgid: int) -> list[str]:
+    """The command lines of the live processes in process group `pgid`."""
+    lines = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:
+                lines.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while being read
+    return lines
+
+
+def test_up_serves_with_forked_schedulers_then_down_leaves_no_process(
+    tiny_model: Path, tmp_path: Path
+) -> None:
     print(cli(tmp_path, "up", "--model", str(tiny_model)))
     state = json.loads((tmp_path / STATE_FILE).read_text())
     groups = state["groups"]
     try:
         assert set(groups) == {"prefill", "decode", "router"}
         assert cli(tmp_path, "status").count("running") == 3
+        # On CPU a server's scheduler and detokenizer are forked from it (pdd.srt.cpu_fork), not
+        # spawned: a spawned child runs multiprocessing's spawn_main.
+        for role in ("prefill", "decode"):
+            lines = group_cmdlines(groups[role])
+            assert len(lines) >= 3, lines
+            assert not [line for line in lines if "spawn_main" in line], lines
         out = generate(
             state["url"],
             {

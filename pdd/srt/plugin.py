@@ -13,6 +13,7 @@ def all_hooks() -> list[Hook]:
     in each process, and the hook modules import SGLang's)."""
     from pdd.srt import (
         cpu_disagg,
+        cpu_fork,
         cpu_tp,
         flags,
         idle,
@@ -22,8 +23,9 @@ def all_hooks() -> list[Hook]:
         wan_transfer,
     )
 
-    return [*flags.HOOKS, *cpu_disagg.HOOKS, *cpu_tp.HOOKS, *idle.HOOKS, *main_decode_hooks.HOOKS,
-            *prefill_heartbeat.HOOKS, *request_guard.HOOKS, *wan_transfer.HOOKS]  # fmt: skip
+    return [*flags.HOOKS, *cpu_disagg.HOOKS, *cpu_fork.HOOKS, *cpu_tp.HOOKS, *idle.HOOKS,
+            *main_decode_hooks.HOOKS, *prefill_heartbeat.HOOKS, *request_guard.HOOKS,
+            *wan_transfer.HOOKS]  # fmt: skip
 
 
 def load() -> None:
