@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pdd.eval.report import Run, Sla, markdown_table, plot_runs
+from pdd.eval.report import Record, Run, Sla, markdown_table, plot_runs
 
 SAME_DC = "same-DC PD"
 PDD = "PDD"
@@ -26,6 +27,26 @@ def agreement(outputs: list[Outputs]) -> list[float]:
         pairs = [(o, b) for o, b in zip(outs, base, strict=True) if o is not None and b is not None]
         shares.append(sum(o == b for o, b in pairs) / max(len(pairs), 1))
     return shares
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The first position where two outputs differ (the shorter one's length if one is a
+    prefix of the other)."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+def differences(outputs: Outputs, base: Outputs, records: Sequence[Record],
+                base_records: Sequence[Record]) -> list[dict]:  # fmt: skip
+    """The requests whose output differs from the first deployment's: where, and on which
+    paths, so that a mismatch can be reproduced (greedy float32 outputs should never differ)."""
+    return [
+        {"request": i, "at_token": first_difference(o, b), "tokens": len(o),
+         "path": records[i].path, "base_path": base_records[i].path}
+        for i, (o, b) in enumerate(zip(outputs, base, strict=True))
+        if o is not None and b is not None and o != b
+    ]  # fmt: skip
 
 
 def meets(summary: dict[str, float], sla: Sla) -> bool:
@@ -80,11 +101,18 @@ def report(
     names = list(runs)
     rates = list(next(iter(runs.values())))
     sweep: dict[str, dict[float | None, dict[str, float]]] = {n: {} for n in names}
+    differ: dict[str, dict[float | None, list[dict]]] = {n: {} for n in names}
     for rate in rates:
         here = [n for n in names if rate in runs[n]]
         same = agreement([outputs[n][rate] for n in here])
         for n, share in zip(here, same, strict=True):
             sweep[n][rate] = {**runs[n][rate].summary(sla), "same_output": share}
+            differ[n][rate] = differences(
+                outputs[n][rate],
+                outputs[here[0]][rate],
+                runs[n][rate].records,
+                runs[here[0]][rate].records,
+            )
     first = rates[0]
     summaries = {n: sweep[n][first] for n in names if first in sweep[n]}
     goodput = {n: sla_goodput({r: s for r, s in sweep[n].items() if r is not None}, sla)
@@ -95,7 +123,10 @@ def report(
         table = markdown_table({n: sweep[n][rate] for n in names if rate in sweep[n]})
         extra = "\n".join(
             f"- {n}: handoffs {handoffs(sweep[n][rate])}; outputs equal to {names[0]}'s "
-            f"{sweep[n][rate]['same_output']:.0%}" for n in names if rate in sweep[n]
+            f"{sweep[n][rate]['same_output']:.0%}" + "".join(
+                f"; request {d['request']} differs from token {d['at_token']} of {d['tokens']} "
+                f"({d['path']}, vs {d['base_path']})" for d in differ[n][rate])
+            for n in names if rate in sweep[n]
         )  # fmt: skip
         sections.append(f"## {pace}\n\n{table}\n\n{extra}\n")
     if any(r is not None for r in rates):
@@ -127,6 +158,7 @@ def report(
         "runs": {n: [asdict(r) for r in runs[n][first].records] for n in names if first in runs[n]},
         "sweep": {n: {str(r): s for r, s in sweep[n].items()} for n in names},
         "sla_goodput_rps": goodput,
+        "differences": {n: {str(r): d for r, d in differ[n].items()} for n in names},
         "compare": lines,
     }
     (out / "live.json").write_text(json.dumps(data, indent=1) + "\n")

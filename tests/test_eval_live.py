@@ -20,7 +20,7 @@ from pdd.eval.live_plan import (
     warmup,
     working_set,
 )
-from pdd.eval.live_report import compare_line, meets, report, sla_goodput
+from pdd.eval.live_report import compare_line, differences, meets, report, sla_goodput
 from pdd.eval.report import Record, Run, Sla
 from pdd.eval.workload import TraceRequest, hit_rate_summary
 from tests.marks import needs_root
@@ -92,6 +92,18 @@ def test_a_file_trace_keeps_its_outputs_and_takes_the_rate(tmp_path: Path) -> No
     assert [r.arrival_s for r in trace] == pytest.approx([0, 2, 4, 6])  # 0.5/s: its own clock
     assert [r.arrival_s for r in trace_at(spec, 1.0)] == pytest.approx([0, 1, 2, 3])
     assert warmup(spec) == []
+
+
+def test_differing_outputs_are_named_with_where_and_on_which_paths() -> None:
+    base = [[1, 2, 3], [4, 5], [6], None]
+    other = [[1, 2, 3], [4, 9], [6, 7], [8]]
+    records = [Record(10, path=p) for p in ("P->MD", "P->RLD->MD", "P->RLD", "P->MD")]
+    base_records = [Record(10, path="P->MD") for _ in base]
+    assert differences(other, base, records, base_records) == [
+        {"request": 1, "at_token": 1, "tokens": 2, "path": "P->RLD->MD", "base_path": "P->MD"},
+        {"request": 2, "at_token": 1, "tokens": 2, "path": "P->RLD", "base_path": "P->MD"},
+    ]
+    assert differences(base, base, base_records, base_records) == []
 
 
 def test_sla_goodput_is_the_highest_rate_that_meets_the_sla() -> None:
