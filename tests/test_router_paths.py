@@ -31,6 +31,18 @@ CATCHUP_HOLD = 40  # where the Catch-Up router feeds MD: MD catches up on these 
 LENGTHS = [9, 150, 700]
 
 
+def states(pdd: dict) -> list[str]:
+    """The request's states in order (pdd.router.request_machine), each begun after the last."""
+    times = [t for _, t in pdd["states"]]
+    assert times == sorted(times), pdd["states"]
+    return [name for name, _ in pdd["states"]]
+
+
+HANDED_OFF = ["prefill", "relay", "ready", "handoff", "main", "done"]
+# P->MD enters "transfer" when P answers before MD's first token: either order is right.
+DIRECT = (["prefill", "main", "done"], ["prefill", "transfer", "main", "done"])
+
+
 def sampling(max_new: int = MAX_NEW, temperature: float = 0.0) -> dict:
     return {"temperature": temperature, "max_new_tokens": max_new, "ignore_eos": True}
 
@@ -153,6 +165,7 @@ def test_single_decoder_paths_equal_colocated(
         assert got["output_ids"] == reference[i], f"{path}: prompt {i} ({len(ids)} tokens)"
         pdd = got["meta_info"]["pdd"]
         assert pdd["path"] == label and pdd["handoff_mode"] is None
+        assert states(pdd) in (DIRECT if path == "main" else [["prefill", "relay", "done"]])
         assert got["meta_info"]["id"] == pdd["rid"]
         if path == "main":  # MD's READY reports what crossed the WAN on P -> MD too
             assert pdd["md_prompt_tokens"] == len(ids), pdd
@@ -174,6 +187,7 @@ def test_extend_handoff_equals_colocated(
         pdd = got["meta_info"]["pdd"]
         assert pdd["path"] == "P->RLD->MD", pdd
         assert pdd["handoff_mode"] == "extend" and pdd["chunks"] == 0
+        assert states(pdd) == HANDED_OFF, pdd
         assert pdd["relay_tokens"] == HOLD and pdd["main_tokens"] == MAX_NEW - HOLD, pdd
         assert pdd["main_tokens"] > 0 and pdd["handoff_latency_s"] is not None
         assert pdd["md_prompt_tokens"] == len(ids) and pdd["wan_kv_bytes"] > 0
@@ -191,6 +205,7 @@ def test_catchup_handoff_equals_colocated(
     assert pdd["path"] == "P->RLD->MD", json.dumps(pdd)
     assert pdd["handoff_mode"] == "catchup" and pdd["chunks"] == 2, pdd
     assert pdd["relay_tokens"] == CATCHUP_HOLD, pdd
+    assert states(pdd) == HANDED_OFF, pdd  # READY while the chunks went, then the handoff
 
 
 @pytest.mark.parametrize("path", ["relay", "pdd", "main"])
@@ -224,6 +239,7 @@ def test_relay_finishing_first_is_the_answer(deployment: Deployment) -> None:
     pdd = got["meta_info"]["pdd"]
     assert pdd["path"] == "P->RLD" and pdd["relay_tokens"] == 2
     assert pdd["md_failure"] == "RLD finished the request first"
+    assert states(pdd) == ["prefill", "relay", "done"], pdd
     # MD let go of the request: the next handoff works as before.
     again = through(deployment.router, prompts()[0], "pdd", hold=HOLD)
     assert again["meta_info"]["pdd"]["path"] == "P->RLD->MD"
@@ -256,6 +272,7 @@ def test_md_not_ready_in_time_leaves_the_request_to_relay(
     pdd = got["meta_info"]["pdd"]
     assert pdd["path"] == "P->RLD" and pdd["md_failure"] == "MD not ready within 1s"
     assert "prefill_md_sent" not in pdd["timings"]  # P never had to feed MD
+    assert states(pdd) == ["prefill", "relay", "done"], pdd
     metrics = urllib.request.urlopen(f"{deployment.slow_main.url}/metrics").read().decode()
     assert 'pdd_router_timeouts_total{wait="ready"} 1' in metrics  # the wait that ran out
     # MD dropped the request it was waiting for: handoffs through MD still work.
@@ -303,6 +320,9 @@ def test_a_side_failing_mid_answer_is_resumed_on_the_other(
     assert aborted_at is not None and seen == expected
     pdd = chunk["meta_info"]["pdd"]
     assert pdd["path"] == label and pdd["resumed_on"] == resumed_on, pdd
+    first, then = ("main", "relay") if path == "main" else ("relay", "main")
+    expected = ["prefill", first, "resume", then, "done"]
+    assert [s for s in states(pdd) if s != "transfer"] == expected, pdd
     resumed = pdd["resumed_at"]
     assert resumed >= aborted_at and pdd["relay_tokens"] + pdd["main_tokens"] == max_new, pdd
     assert chunk["meta_info"]["finish_reason"]["type"] == "length"
@@ -353,6 +373,9 @@ def test_metrics_and_health(deployment: Deployment) -> None:
     assert 'pdd_router_handoffs_total{mode="extend"}' in text
     assert 'pdd_router_control_bytes_total{direction="in"}' in text
     assert 'pdd_router_errors_total{kind="bad_request"}' in text
+    # No request of this module (every path, handoffs, resumes, failures) made a state
+    # transition the request's state machine does not allow.
+    assert 'pdd_router_errors_total{kind="state"}' not in text
 
 
 def test_sampled_requests_hand_off(deployment: Deployment) -> None:

@@ -13,6 +13,7 @@ from pdd.policy.handoff import choose_mode, handoff_tokens, next_step, relay_fin
 from pdd.router.estimates import direct_wan_seconds, relayed_direct_ttft
 from pdd.router.planner import max_new_tokens
 from pdd.router.request_base import RequestBase
+from pdd.router.request_machine import State
 from pdd.router.request_types import MdState, Output, RelayState, cut
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class HandoffFlow(RequestBase):
         left = max_new_tokens(self.body) - pending
         if self.relay is RelayState.RUNNING and relay_finishes(self.cfg.handoff, left=left):
             return self._md_dead(f"RLD finishes the last {left} tokens itself", "relay_finished")
+        self._enter(State.READY)
         if self.relay is RelayState.RUNNING:
             relay_load = self.ctx.loads["relay"].value(self.held["relay"])
             mode = choose_mode(self.cfg.handoff, pending=pending, relay_load=relay_load)
@@ -138,6 +140,7 @@ class HandoffFlow(RequestBase):
         self.meta.control_bytes += n
         self.stitcher.handoff()
         self.md = MdState.HANDED_OFF
+        self._enter(State.HANDOFF)
         self.meta.relay_tokens = len(snapshot)
         self._mark("handoff_sent")
         self.ctx.metrics.inc("handoffs_total", mode=self.meta.handoff_mode or "extend")
@@ -156,6 +159,8 @@ class HandoffFlow(RequestBase):
         else:
             self._cancel_md(reason)
         if self.relay in (RelayState.RUNNING, RelayState.FINISHED):
+            if self.machine.state is State.READY:
+                self._enter(State.RELAY)  # Catch-Up ends; RLD goes on feeding the client
             return []
         return self._fail(f"RLD failed ({self.meta.relay_failure}) and {reason}", 502)
 

@@ -2,6 +2,7 @@
 
 All decisions happen in one task that consumes one event queue (stream chunks, P answers,
 control messages, deadlines), so the handoff snapshot is always exactly what the client got.
+The request's states and the transitions between them: pdd.router.request_machine.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pdd.control.channel import Received
 from pdd.control.messages import route_hint
 from pdd.policy.path import LABELS
 from pdd.router.handoff_flow import HandoffFlow
+from pdd.router.request_machine import State
 from pdd.router.request_types import (
     MdState,
     Output,
@@ -192,6 +194,8 @@ class PddRequest(HandoffFlow, ResumeFlow):
                     return []
             return self._fail(f"prefill failed: {reason}", status)
         self._mark("prefill_done")
+        if self.path == "main" and self.machine.state is State.PREFILL:
+            self._enter(State.TRANSFER)  # (MD's first token may have come before P's answer)
         self.meta.p_cached_tokens = event.cached_tokens
         if event.cached_tokens is not None and self.plan.hashes is not None:
             prompt = len(self.plan.hashes.tokens)
@@ -228,6 +232,8 @@ class PddRequest(HandoffFlow, ResumeFlow):
         if fed.kind is Kind.IGNORED or fed.chunk is None:
             return []
         self._mark("first_token")
+        if self.machine.state in (State.PREFILL, State.RESUME):
+            self._enter(State.RELAY)
         if not fed.final:
             self._maybe_feed_main()
             return [Output(fed.chunk)]
@@ -299,6 +305,7 @@ class PddRequest(HandoffFlow, ResumeFlow):
         if fed.kind is Kind.IGNORED or fed.chunk is None:
             return []
         self._mark("first_token")
+        self._enter(State.MAIN)
         handed_off = self.md is MdState.HANDED_OFF and "handoff_sent" in self.meta.timings
         if handed_off and fed.new_tokens and self.meta.handoff_latency_s is None:
             self._mark("first_main_token")

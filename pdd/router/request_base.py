@@ -18,6 +18,7 @@ from pdd.policy.handoff import Step
 from pdd.router.context import RouterContext
 from pdd.router.hold import RelayHold
 from pdd.router.planner import Plan
+from pdd.router.request_machine import IllegalTransition, RequestMachine, State
 from pdd.router.request_types import (
     ROOM_LIMIT,
     MdState,
@@ -54,6 +55,8 @@ class RequestBase(ABC):
         self.disconnected = disconnected
         self.meta = PddMeta(choice.label, choice.reason, self.rid)
         self.events: asyncio.Queue[Any] = asyncio.Queue()
+        self.machine = RequestMachine()
+        self.meta.states = self.machine.history
         self.stitcher = Stitcher(self.rid, Phase.MAIN if self.path == "main" else Phase.RELAY)
         self.md = MdState.PENDING if self.path == "pdd" else MdState.UNUSED
         self.relay = RelayState.UNUSED
@@ -104,6 +107,13 @@ class RequestBase(ABC):
 
     def _mark(self, name: str) -> None:
         self.meta.timings.setdefault(name, round(self._now(), 6))
+
+    def _enter(self, state: State) -> None:
+        try:
+            self.machine.enter(state, self._now())
+        except IllegalTransition as err:  # a handler's bug: reported, the request goes on
+            logger.error("request %s: illegal state transition %s", self.rid, err)
+            self.ctx.metrics.inc("errors_total", kind="state")
 
     def _body(
         self, *, rid: str, room: int, stream: bool, hints: dict | None = None,
@@ -182,6 +192,7 @@ class RequestBase(ABC):
     def _final(self, chunk: dict[str, Any]) -> Output:
         self.succeeded = True
         self._mark("end")
+        self._enter(State.DONE)
         return Output(self._with_meta(chunk), final=True)
 
     def _with_meta(self, chunk: dict[str, Any]) -> dict[str, Any]:
@@ -192,6 +203,7 @@ class RequestBase(ABC):
     def _fail(self, reason: str, status: int) -> list[Output]:
         reason = cut(reason)
         self._mark("end")
+        self._enter(State.DONE)
         logger.warning("request %s failed: %s", self.rid, reason)
         if self.sent_outputs == 0:
             raise UpstreamError(status, reason)
@@ -231,6 +243,7 @@ class RequestBase(ABC):
         if self.closed:
             return
         self.closed = True
+        self._enter(State.DONE)
         self.ctx.unsubscribe(self.rid)
         if self.md in (MdState.PENDING, MdState.CATCHUP):
             self.md = MdState.DEAD

@@ -84,6 +84,8 @@ class PddMeta:
     resumed_at: int | None = None
     resumed_on: str | None = None
     instances: dict[str, str] = field(default_factory=dict)
+    # The request's states (pdd.router.request_machine), each with the second it began.
+    states: list[tuple[str, float]] = field(default_factory=list)
     # Seconds since the router received the request.
     timings: dict[str, float] = field(default_factory=dict)
 

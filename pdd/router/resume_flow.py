@@ -9,6 +9,7 @@ import random
 from pdd.control.messages import route_hint
 from pdd.router.context import NoInstance
 from pdd.router.request_base import RequestBase
+from pdd.router.request_machine import State
 from pdd.router.request_types import ROOM_LIMIT, TIER_NAMES, MdState, Output, RelayState, cut
 from pdd.router.resume import resume_body
 from pdd.router.stitch import Phase
@@ -43,6 +44,7 @@ class ResumeFlow(RequestBase):
         logger.warning("request %s: resumed on %s after %d tokens: %s", self.rid,
                        self.meta.resumed_on, n, cut(reason))  # fmt: skip
         self.ctx.metrics.inc("resumes_total", on=tier)
+        self._enter(State.RESUME)
         if tier == "relay":
             self.meta.md_failure = cut(reason)
             self.md = MdState.DEAD
