@@ -86,7 +86,8 @@ fi
 mkdir -p models
 [ -f models/tiny/config.json ] || "$VENV/bin/python" -m pdd.models tiny --out models/tiny
 [ -f models/wide/config.json ] || "$VENV/bin/python" -m pdd.models wide --out models/wide
+[ -f models/mla/config.json ] || "$VENV/bin/python" -m pdd.models mla --out models/mla
 if [ "${PDD_SKIP_SMOLLM2:-0}" != 1 ] && [ ! -f models/smollm2/config.json ]; then
   "$VENV/bin/python" -m pdd.models smollm2 --out models/smollm2
 fi
-log "ready: $VENV ($DEVICE), models/tiny, models/wide$([ -f models/smollm2/config.json ] && echo ', models/smollm2')"
+log "ready: $VENV ($DEVICE), models/tiny, models/wide, models/mla$([ -f models/smollm2/config.json ] && echo ', models/smollm2')"

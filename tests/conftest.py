@@ -46,6 +46,17 @@ def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("wide"), WIDE)
 
 
+@pytest.fixture(scope="session")
+def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """PDD_MLA_MODEL or a fresh build: a tiny DeepSeek-V3 (MLA, experts), byte-identical."""
+    given = os.environ.get("PDD_MLA_MODEL")
+    if given:
+        return Path(given)
+    from pdd.models.mla import make_mla
+
+    return make_mla(tmp_path_factory.mktemp("mla"))
+
+
 class Deployment(Protocol):
     def up(self) -> dict[str, float]: ...
     def pgids(self) -> dict[str, int]: ...

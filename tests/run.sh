@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 PDD_SKIP_SMOLLM2=1 bash launch/setup.sh
 export PDD_TINY_MODEL="$PWD/models/tiny"
 export PDD_WIDE_MODEL="$PWD/models/wide"
+export PDD_MLA_MODEL="$PWD/models/mla"
 set +e
 .venv/bin/python -m pytest "$@"
 code=$?

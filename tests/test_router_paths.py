@@ -1,11 +1,14 @@
 """The PDD router in front of real servers: P (prefill), RLD (plain decode), MD (`--pdd-role
 main`) and a colocated reference. Greedy output through every path equals the colocated
 server's; the handoff (extend and Catch-Up), RLD-only completion and error answers are checked
-on the real streams."""
+on the real streams. Every test runs on two models: the tiny dense one (GQA) and a tiny
+DeepSeek-V3 (MLA: a latent KV pool; experts), whose colocated server is itself checked against
+transformers."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -18,7 +21,8 @@ import pytest
 from pdd.launch.pd_local import generate
 from pdd.launch.process import free_port, stop_groups
 from pdd.launch.router import RouterService
-from pdd.launch.servers import SGLangServer
+from pdd.launch.servers import DTYPE_ENV, SGLangServer
+from pdd.models.kv import DTYPE_BYTES, kv_bytes_per_token
 from tests.test_pd_same_dc import random_ids
 
 MAX_NEW = 96
@@ -49,6 +53,7 @@ def sampling(max_new: int = MAX_NEW, temperature: float = 0.0) -> dict:
 
 @dataclass
 class Deployment:
+    model: Path
     colocated: SGLangServer
     prefill: SGLangServer
     relay: SGLangServer
@@ -65,24 +70,40 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def deployment(
-    tiny_model: Path, colocated: SGLangServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Deployment]:
+def mla_colocated(
+    mla_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SGLangServer]:
+    server = SGLangServer("colocated_mla", mla_model, free_port(), tmp_path_factory.mktemp("ref"))
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.process is not None:
+            stop_groups([server.process.pgid])
+
+
+@pytest.fixture(scope="module", params=["tiny", "mla"])
+def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[Deployment]:  # fmt: skip
+    model: Path = request.getfixturevalue(f"{request.param}_model")
+    colocated: SGLangServer = request.getfixturevalue(
+        "colocated" if request.param == "tiny" else "mla_colocated"
+    )
     run_dir = tmp_path_factory.mktemp("router")
-    prefill = SGLangServer("prefill", tiny_model, free_port(), run_dir, mode="prefill",
+    prefill = SGLangServer("prefill", model, free_port(), run_dir, mode="prefill",
                            bootstrap_port=free_port())  # fmt: skip
-    relay = SGLangServer("relay", tiny_model, free_port(), run_dir, mode="decode")
+    relay = SGLangServer("relay", model, free_port(), run_dir, mode="decode")
     main = SGLangServer(
-        "main", tiny_model, free_port(), run_dir, mode="decode",
+        "main", model, free_port(), run_dir, mode="decode",
         extra_args=["--pdd-role", "main", "--pdd-control-port", str(free_port()),
                     "--pdd-park-timeout", "30"],
     )  # fmt: skip
     # An MD that was never started: its HTTP and control ports answer nobody.
-    ghost = SGLangServer("ghost", tiny_model, free_port(), run_dir, mode="decode",
+    ghost = SGLangServer("ghost", model, free_port(), run_dir, mode="decode",
                          extra_args=["--pdd-control-port", str(free_port())])  # fmt: skip
     tiers = {"prefill": [prefill], "relay": [relay]}
     d = Deployment(
-        colocated, prefill, relay, main,
+        model, colocated, prefill, relay, main,
         router=RouterService("router", free_port(), run_dir, main=[main], **tiers,
                              path="pdd", extra_args=["--handoff-mode", "extend", *TEST_CONTROLS]),
         catchup=RouterService(
@@ -107,6 +128,10 @@ def deployment(
         yield d
     finally:
         stop_groups([s.process.pgid for s in d.servers() if s.process is not None])
+
+
+def kv_per_token(d: Deployment) -> int:
+    return kv_bytes_per_token(d.model, DTYPE_BYTES[os.environ[DTYPE_ENV]])
 
 
 def prompts() -> list[list[int]]:
@@ -156,6 +181,25 @@ def http_error(url: str, data: bytes | None = None) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
+def test_sglang_serves_the_mla_model_as_transformers_computes_it(
+    mla_model: Path, mla_colocated: SGLangServer
+) -> None:
+    """SGLang's DeepSeek-V3 class on CPU (latent attention through pdd.srt.mla_cpu) makes the
+    tokens transformers makes, on a fresh prompt and again with the prompt cached."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids, n = prompts()[1], 24
+    model = AutoModelForCausalLM.from_pretrained(mla_model, dtype=torch.float32)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    expected = out[0, len(ids) :].tolist()
+    mla_colocated.wait_ready()
+    body = {"input_ids": ids, "sampling_params": sampling(max_new=n)}
+    first, again = generate(mla_colocated.url, body), generate(mla_colocated.url, body)
+    assert first["output_ids"] == expected and again["output_ids"] == expected
+    assert again["meta_info"]["cached_tokens"] >= len(ids) - 1, again["meta_info"]
+
+
 @pytest.mark.parametrize("path, label", [("relay", "P->RLD"), ("main", "P->MD")])
 def test_single_decoder_paths_equal_colocated(
     deployment: Deployment, reference: list[list[int]], path: str, label: str
@@ -169,13 +213,14 @@ def test_single_decoder_paths_equal_colocated(
         assert got["meta_info"]["id"] == pdd["rid"]
         if path == "main":  # MD's READY reports what crossed the WAN on P -> MD too
             assert pdd["md_prompt_tokens"] == len(ids), pdd
-            assert pdd["wan_kv_bytes"] == (len(ids) - pdd["md_cached_tokens"]) * 1024, pdd
+            expected = (len(ids) - pdd["md_cached_tokens"]) * kv_per_token(deployment)
+            assert pdd["wan_kv_bytes"] == expected, pdd
         else:
             assert pdd["wan_kv_bytes"] is None, pdd
     if path == "main":  # ... and the router learnt the WAN from it
         with urllib.request.urlopen(f"{deployment.router.url}/status", timeout=30) as resp:
             wan = json.loads(resp.read())["instances"]["main"][0]["wan"]
-        assert wan["kv_bytes_per_token"] == 1024, wan
+        assert wan["kv_bytes_per_token"] == kv_per_token(deployment), wan
 
 
 def test_extend_handoff_equals_colocated(

@@ -1,4 +1,4 @@
-"""python -m pdd.models {tiny,wide,smollm2} --out DIR: build a model directory offline."""
+"""python -m pdd.models {tiny,wide,mla,mla-wide,smollm2} --out DIR: build a model offline."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pdd.models", description=__doc__)
-    parser.add_argument("name", choices=["tiny", "wide", "smollm2"])
+    parser.add_argument("name", choices=["tiny", "wide", "mla", "mla-wide", "smollm2"])
     parser.add_argument("--out", type=Path, required=True, help="directory to write")
     args = parser.parse_args(argv)
     start = time.monotonic()
@@ -17,6 +17,10 @@ def main(argv: list[str] | None = None) -> None:
         from pdd.models.tiny import SHAPES, make_tiny
 
         out = make_tiny(args.out, SHAPES[args.name])
+    elif args.name in ("mla", "mla-wide"):
+        from pdd.models.mla import MLA_SHAPES, make_mla
+
+        out = make_mla(args.out, MLA_SHAPES[args.name])
     else:
         from pdd.models.smollm2 import make_smollm2
 

@@ -18,14 +18,15 @@ def all_hooks() -> list[Hook]:
         flags,
         idle,
         main_decode_hooks,
+        mla_cpu,
         prefill_heartbeat,
         request_guard,
         wan_transfer,
     )
 
     return [*flags.HOOKS, *cpu_disagg.HOOKS, *cpu_fork.HOOKS, *cpu_tp.HOOKS, *idle.HOOKS,
-            *main_decode_hooks.HOOKS, *prefill_heartbeat.HOOKS, *request_guard.HOOKS,
-            *wan_transfer.HOOKS]  # fmt: skip
+            *main_decode_hooks.HOOKS, *mla_cpu.HOOKS, *prefill_heartbeat.HOOKS,
+            *request_guard.HOOKS, *wan_transfer.HOOKS]  # fmt: skip
 
 
 def load() -> None:
