@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from pdd.eval.sim.config import KINDS, ClusterConfig, Sla, Tier, deployment
-from pdd.eval.sim.hardware import CHIPS, LINKS, MODELS
+from pdd.eval.sim.hardware import CHIPS, LINKS, MOE_1T, Model
+from pdd.eval.sim.model_config import PRESETS, describe, resolve_model
 from pdd.eval.sim.render import bathtub_plot, cdf_plot, plan_table, sim_table
 from pdd.eval.sim.requests import (
     SimRequest,
@@ -88,9 +89,20 @@ def _add_workload(p: argparse.ArgumentParser, requests: int, rate: float) -> Non
     g.add_argument("--output", type=int, default=1000, help="fixed: output tokens")
 
 
+def _model_arg(given: str) -> Model:
+    try:
+        return resolve_model(given)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+
+
 def _add_cluster(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster")
-    g.add_argument("--model", choices=sorted(MODELS), default="moe-1t")
+    g.add_argument(
+        "--model", type=_model_arg, default="moe-1t",
+        help=f"a preset ({', '.join(sorted(PRESETS))}; default %(default)s) or a model "
+        "directory: its config.json gives the sizes, KV per token for GQA or MLA",
+    )  # fmt: skip
     g.add_argument("--p", type=parse_tier, default=None, help="P tier (default 5x7A)")
     g.add_argument("--rld", type=parse_tier, default=None, help="RLD tier (default 1x8A)")
     g.add_argument("--md", type=parse_tier, default=None, help="MD tier (default 4x8B)")
@@ -122,7 +134,7 @@ def _base_config(a: argparse.Namespace, kind: str) -> ClusterConfig:
             a.jitter_ms), ("tcp_window_mb", a.tcp_window_mb)) if v is not None}  # fmt: skip
     cfg = deployment(
         kind,
-        model=MODELS[a.model],
+        model=a.model,
         link=replace(link, **over),
         path=a.path,
         handoff=HandoffPolicy(mode=a.handoff),
@@ -358,7 +370,9 @@ def _repro(argv: list[str]) -> int:
         else:
             repros.append(handoff_microbench(samples=500 if a.quick else 2000))
         _log(f"repro: ({part}) done in {time.monotonic() - t:.1f} s")
-    text = "\n".join(r.markdown() for r in repros)
+    # The paper's model class (its own KV size: compressed, MLA-class), not a dense model's.
+    assumed = f"Every figure assumes the model {describe(MOE_1T)}.\n\n"
+    text = assumed + "\n".join(r.markdown() for r in repros)
     doc = [r.to_dict() for r in repros]
     print(json.dumps(doc, indent=1, default=str) if a.json else text)
     if a.out:
