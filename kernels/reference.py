@@ -61,3 +61,39 @@ def extend_attention_reference(
         probs = torch.softmax(scores, dim=-1)
         out[start : start + ext] = torch.einsum("htl,lhd->thd", probs, values).to(q.dtype)
     return out
+
+
+def mla_extend_attention_reference(
+    q: torch.Tensor,
+    kv_new: torch.Tensor,
+    kv_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_idx: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    latent_dim: int,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """Absorbed MLA extend (pdd.kernels.mla_extend_attention): writes kv_new into the pool,
+    then every head scores the whole latent + rope row and reads the latent as its value.
+    q [T, H, D]; kv_new [T, 1, D]; kv_pool [slots, 1, D]; returns [T, H, latent_dim]."""
+    heads, dim = q.shape[1], q.shape[2]
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(dim)
+    starts = extend_start_locs(extend_lens).tolist()
+    out = q.new_empty(q.shape[0], heads, latent_dim)
+    for i, (start, prefix, ext) in enumerate(
+        zip(starts, prefix_lens.tolist(), extend_lens.tolist(), strict=True)
+    ):
+        row = req_to_token[int(req_pool_idx[i])].to(torch.int64)
+        kv_pool[row[prefix : prefix + ext]] = kv_new[start : start + ext].to(kv_pool.dtype)
+        if ext == 0:
+            continue
+        keys = kv_pool[row[: prefix + ext], 0].float()  # [L, D]
+        scores = torch.einsum("thd,ld->htl", q[start : start + ext].float(), keys) * scale
+        query_pos = prefix + torch.arange(ext, device=q.device)
+        allowed = torch.arange(prefix + ext, device=q.device)[None, :] <= query_pos[:, None]
+        probs = torch.softmax(scores.masked_fill(~allowed[None], float("-inf")), dim=-1)
+        out[start : start + ext] = torch.einsum("htl,ld->thd", probs, keys[:, :latent_dim]).to(
+            q.dtype
+        )
+    return out

@@ -1,4 +1,5 @@
-"""The Triton extend-attention kernel against the torch reference, under Triton's CPU interpreter.
+"""The Triton extend-attention kernels (GQA, and MLA's absorbed latent form) against their torch
+references, under Triton's CPU interpreter.
 
 Triton reads TRITON_INTERPRET when a kernel is defined, and the variable is inherited by every
 process started later. Setting it in the pytest process would make SGLang servers started by
@@ -30,7 +31,7 @@ import pytest
 import torch
 
 from pdd.kernels.paged_batch import new_slots, random_paged_batch
-from pdd.kernels.reference import extend_attention_reference
+from pdd.kernels.reference import extend_attention_reference, mla_extend_attention_reference
 from tests.marks import without_gpu
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -50,6 +51,9 @@ class Case:
     index_dtype: str = "int32"
     sm_scale: float | None = None
     poison_out: bool = True
+    # MLA: the pool holds one latent of this width plus a rope part (head_dim in all), one KV
+    # "head" read by every query head (group = the query heads).
+    latent_dim: int | None = None
 
 
 CASES = [
@@ -62,6 +66,11 @@ CASES = [
     Case("fp32_random", "float32", 2, 0, 32, None, None),
     Case("fp16_random", "float16", 2, 0, 64, None, None, "int64"),
     Case("fp16_random_out_none", "float16", 1, 0, 32, None, None, poison_out=False),
+    # The test model's MLA shape (latent 64 + rope 16, 4 heads), DeepSeek-V3's per-rank shape
+    # (latent 512 + rope 64, 16 heads: 128 over TP 8), a scaled one.
+    Case("mla_fp32_tiny_shape", "float32", 1, 4, 80, [0, 37, 130], [1, 17, 70], latent_dim=64),
+    Case("mla_fp16_deepseek_shape", "float16", 1, 16, 576, None, None, "int64", latent_dim=512),
+    Case("mla_fp32_scaled", "float32", 1, 8, 48, [100, 1], [33, 1], sm_scale=0.3, latent_dim=32),
 ]
 
 
@@ -76,7 +85,7 @@ def make_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
         extend_lens = [draw(1, 80) for _ in range(batch)]
     else:
         prefix_lens, extend_lens = case.prefix_lens, case.extend_lens
-    return random_paged_batch(
+    batch = random_paged_batch(
         prefix_lens,
         extend_lens,
         case.num_kv_heads,
@@ -87,23 +96,33 @@ def make_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
         getattr(torch, case.index_dtype),
         case.sm_scale,
     )
+    if case.latent_dim is None:
+        return batch
+    mla = {k: v for k, v in batch.items() if k not in ("k_new", "v_new", "k_pool", "v_pool")}
+    return {**mla, "kv_new": batch["k_new"], "kv_pool": batch["k_pool"],
+            "latent_dim": case.latent_dim}  # fmt: skip
 
 
 def run_case(case: Case, seed: int) -> dict[str, Any]:
     """In the interpreter child: kernel vs reference on one case, as a JSON-able report."""
     from pdd.kernels.extend_attention import extend_attention
+    from pdd.kernels.mla_extend_attention import mla_extend_attention
 
     inputs = make_inputs(case, torch.Generator().manual_seed(seed))
-    pool_before = {k: inputs[k].clone() for k in ("k_pool", "v_pool")}
+    mla = case.latent_dim is not None
+    pools = [("kv_pool", "kv_new")] if mla else [("k_pool", "k_new"), ("v_pool", "v_new")]
+    pool_before = {p: inputs[p].clone() for p, _ in pools}
     ref_inputs: dict[str, Any] = {
         k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()
     }
-    expected = extend_attention_reference(**ref_inputs)
-    out = torch.full_like(inputs["q"], float("nan")) if case.poison_out else None
-    got = extend_attention(**inputs, out=out)
+    kernel, reference = ((mla_extend_attention, mla_extend_attention_reference) if mla
+                         else (extend_attention, extend_attention_reference))  # fmt: skip
+    expected = reference(**ref_inputs)
+    out = torch.full_like(expected, float("nan")) if case.poison_out else None
+    got = kernel(**inputs, out=out)
 
     slots = new_slots(inputs)
-    untouched = torch.ones(inputs["k_pool"].shape[0], dtype=torch.bool)
+    untouched = torch.ones(inputs[pools[0][0]].shape[0], dtype=torch.bool)
     untouched[slots] = False
     atol, rtol = TOLERANCES[case.dtype]
     diff = (got.float() - expected.float()).abs()
@@ -119,17 +138,11 @@ def run_case(case: Case, seed: int) -> dict[str, Any]:
         "tolerance_ratio": float((diff / (atol + rtol * expected.float().abs())).max())
         if diff.numel()
         else 0.0,
-        "pool_new_ok": all(
-            torch.equal(inputs[p][slots], inputs[n])
-            for p, n in (("k_pool", "k_new"), ("v_pool", "v_new"))
-        ),
+        "pool_new_ok": all(torch.equal(inputs[p][slots], inputs[n]) for p, n in pools),
         "pool_rest_ok": all(
-            torch.equal(inputs[p][untouched], pool_before[p][untouched])
-            for p in ("k_pool", "v_pool")
+            torch.equal(inputs[p][untouched], pool_before[p][untouched]) for p, _ in pools
         ),
-        "pool_matches_reference": all(
-            torch.equal(inputs[p], ref_inputs[p]) for p in ("k_pool", "v_pool")
-        ),
+        "pool_matches_reference": all(torch.equal(inputs[p], ref_inputs[p]) for p, _ in pools),
     }
 
 
