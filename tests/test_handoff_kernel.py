@@ -4,7 +4,9 @@ in MD only); the interpreter's bf16 dots are wrong, so all three servers run in 
 
 Forced `triton` fails the extend rather than fall back, so exact outputs mean every attention
 layer of every handoff extend went through the kernel, which also wrote their K/V into the pool
-that MD's later decode steps (SGLang's own attention) read.
+that MD's later decode steps (SGLang's own attention) read. Every test runs on the tiny dense
+model (pdd.kernels.extend_attention) and on the tiny DeepSeek-V3, whose latent-attention layers
+run pdd.kernels.mla_extend_attention.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ FALLBACK_LOG = "handoff extends use SGLang's attention"
 pytestmark = without_gpu("this checks the kernel in Triton's CPU interpreter")
 
 
-@pytest.fixture(scope="module")
-def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+@pytest.fixture(scope="module", params=["tiny", "mla"])
+def deployment(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
+    model: Path = request.getfixturevalue(f"{request.param}_model")
     with started(
-        tiny_model,
+        model,
         tmp_path_factory.mktemp("handoff_kernel"),
         args=["--dtype", "float32"],
         md_args=["--pdd-extend-kernel", "triton"],

@@ -9,6 +9,10 @@ P's prefill) keeps SGLang's backend.
 `--pdd-extend-kernel`: `auto` uses the kernel on CUDA tensors and SGLang's path elsewhere (CPU);
 `triton` forces the kernel (on a CPU only under Triton's interpreter, TRITON_INTERPRET=1) and
 fails the extend with the reason when a layer is outside what it supports; `sglang` never uses it.
+
+An MLA layer (DeepSeek-V3 class) reaches the backend in absorbed form: queries in latent space
+plus their rope part, one K row (latent + rope) per token, the latent as V; its pool is SGLang's
+MLATokenToKVPool. Those layers run pdd.kernels.mla_extend_attention.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ def kernel_problem(
 ) -> str | None:
     """Why the Triton kernel cannot run this layer's extend; None when it can."""
     from sglang.srt.layers.radix_attention import AttentionType
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
     if not q.is_cuda and not triton_interpreted():
         return "the tensors are not on a CUDA device"
@@ -48,7 +52,10 @@ def kernel_problem(
         return f"the layer passes {sorted(k for k, v in extras.items() if v is not None)}"
     if layer.is_cross_attention or layer.attn_type != AttentionType.DECODER:
         return "the layer is not causal decoder self-attention"
-    if layer.qk_head_dim != layer.v_head_dim:
+    mla = type(pool) is MLATokenToKVPool
+    if mla and (layer.tp_k_head_num != 1 or layer.v_head_dim != pool.kv_lora_rank):
+        return "an MLA layer not in absorbed form (one latent K/V head)"
+    if not mla and layer.qk_head_dim != layer.v_head_dim:
         return "K and V head dims differ"
     if (layer.sliding_window_size or -1) > -1:
         return "sliding-window attention"
@@ -56,7 +63,7 @@ def kernel_problem(
         return "logit soft-capping"
     if layer.k_scale is not None or layer.v_scale is not None:
         return "a scaled (quantized) KV cache"
-    if type(pool) is not MHATokenToKVPool:
+    if not mla and type(pool) is not MHATokenToKVPool:
         return f"a {type(pool).__name__} KV pool"
     group = layer.tp_q_head_num // layer.tp_k_head_num
     if layer.tp_q_head_num % layer.tp_k_head_num or group & (group - 1):
@@ -123,8 +130,26 @@ class HandoffAttention:
         self, q: torch.Tensor, k: Any, v: Any, layer: Any, forward_batch: Any, pool: Any
     ) -> torch.Tensor:
         from pdd.kernels.extend_attention import extend_attention
+        from pdd.kernels.mla_extend_attention import mla_extend_attention
 
         heads, dim = layer.tp_q_head_num, layer.qk_head_dim
+        if layer.v_head_dim != dim:  # MLA, absorbed (kernel_problem let only that through)
+            latent = layer.v_head_dim
+            out = q.new_empty((q.shape[0], heads * latent))
+            mla_extend_attention(
+                q.view(-1, heads, dim),
+                k.view(-1, 1, dim),
+                pool.get_key_buffer(layer.layer_id),
+                self.backend.req_to_token_pool.req_to_token,
+                forward_batch.req_pool_indices,
+                forward_batch.extend_prefix_lens,
+                forward_batch.extend_seq_lens,
+                latent,
+                sm_scale=layer.scaling,
+                out=out.view(-1, heads, latent),
+                max_extend_len=max(forward_batch.extend_seq_lens_cpu),
+            )
+            return out
         out = q.new_empty((q.shape[0], heads * dim))
         extend_attention(
             q.view(-1, heads, dim),
