@@ -2,12 +2,14 @@
 
     python -m pdd.eval.bench_extend_kernel [--dtype bf16|fp16] [--q-heads 32] [--kv-heads 8]
                                            [--head-dim 128] [--peak-gbs N] [--out DIR]
+    python -m pdd.eval.bench_extend_kernel --shape mla   # DeepSeek-V3 per rank: 16 x (512 + 64)
     TRITON_INTERPRET=1 python -m pdd.eval.bench_extend_kernel --smoke   # CPU: checks only
 
 A handoff extend is a batch of requests, each a short run of new tokens (1-256) over a long
 cached prefix in the paged KV pool. For each (batch, extend, prefix) case, both sides store the
 new K/V into the pool and attend over prefix + new tokens, one layer:
-- pdd: `pdd.kernels.extend_attention` (the store and the attention, two launches);
+- pdd: `pdd.kernels.extend_attention` (the store and the attention, two launches), or for
+  `--shape mla` `pdd.kernels.mla_extend_attention` (eval/bench_extend_mla.py);
 - SGLang: what its Triton attention backend runs for an extend: the pool store, then
   `extend_attention_fwd` over the prefix's kv_indices (built once per batch, as SGLang does).
 Each case checks the two outputs agree, then times both (median, L2 flushed between runs) and
@@ -173,24 +175,36 @@ def datasheet_gbs(name: str) -> float | None:
 
 
 def run_case(case: Case, args: Any, dtype: torch.dtype, device: str, seed: int) -> Row:
+    from pdd.eval import bench_extend_mla as mla
     from pdd.kernels.paged_batch import random_paged_batch
     from pdd.kernels.reference import extend_attention_reference
 
     gen = torch.Generator(device=device).manual_seed(seed)
-    group = args.q_heads // args.kv_heads
-    inputs = random_paged_batch([case.prefix] * case.batch, [case.extend] * case.batch,
-                                args.kv_heads, group, args.head_dim, dtype, gen)  # fmt: skip
-    ours, theirs = pdd_extend(inputs, case), sglang_extend(inputs, case)
+    prefix, extend = [case.prefix] * case.batch, [case.extend] * case.batch
+    if args.shape == "mla":
+        inputs = mla.mla_inputs(prefix, extend, args.q_heads, args.latent_dim, args.rope_dim,
+                                dtype, gen)  # fmt: skip
+        ours, theirs = mla.pdd_extend(inputs, case.extend), mla.sglang_extend(inputs, case.extend)
+    else:
+        inputs = random_paged_batch(prefix, extend, args.kv_heads, args.q_heads // args.kv_heads,
+                                    args.head_dim, dtype, gen)  # fmt: skip
+        ours, theirs = pdd_extend(inputs, case), sglang_extend(inputs, case)
     got, want = ours().clone(), theirs().clone()
     diff = float((got.float() - want.float()).abs().max())
     agrees = diff <= TOLERANCE[dtype]
     if args.smoke:  # also against the reference, on a copy of the pools
-        ref_inputs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-        ref = extend_attention_reference(**ref_inputs)
+        if args.shape == "mla":
+            ref = mla.reference(inputs)
+        else:
+            copy = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+            ref = extend_attention_reference(**copy)
         agrees = agrees and float((got.float() - ref.float()).abs().max()) <= TOLERANCE[dtype]
     on_gpu = device == "cuda"
     pdd_ms, sglang_ms = time_ms(ours, on_gpu), time_ms(theirs, on_gpu)
-    moved = ideal_bytes(inputs, case)
+    if args.shape == "mla":
+        moved = mla.ideal_bytes(inputs, case.batch, case.extend, case.prefix)
+    else:
+        moved = ideal_bytes(inputs, case)
     return Row(case.batch, case.extend, case.prefix, moved, diff, agrees, pdd_ms, sglang_ms,
                moved / pdd_ms / 1e6, moved / sglang_ms / 1e6)  # fmt: skip
 
@@ -254,6 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument(
+        "--shape", choices=("gqa", "mla"), default="gqa",
+        help="mla: absorbed latent attention, DeepSeek-V3 per rank (16 heads, latent 512 + rope "
+        "64; the head options are ignored)",
+    )  # fmt: skip
+    parser.add_argument(
         "--peak-gbs", type=float, default=None,
         help="the device's memory bandwidth (default: its datasheet figure)",
     )  # fmt: skip
@@ -265,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/bench_extend"))
     args = parser.parse_args(argv)
 
+    from pdd.eval import bench_extend_mla as mla
     from pdd.srt.cpu_support import triton_interpreted
 
     if args.smoke:
@@ -272,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--smoke needs TRITON_INTERPRET=1 in the environment before start")
         device, dtype, cases = "cpu", torch.float32, SMOKE_CASES
         args.q_heads, args.kv_heads, args.head_dim = 4, 2, 32
+        args.latent_dim, args.rope_dim = mla.SMOKE_LATENT, mla.SMOKE_ROPE
         name, peak = "CPU (Triton interpreter)", args.peak_gbs or 1.0
     else:
         if not torch.cuda.is_available():
@@ -286,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         peak = args.peak_gbs or sheet or measured
         print(f"{name}: datasheet {sheet or 'unknown'} GB/s, device copy {measured:.0f} GB/s; "
               f"peak used: {peak:.0f} GB/s")  # fmt: skip
+    if args.shape == "mla" and not args.smoke:
+        args.q_heads, args.latent_dim, args.rope_dim = mla.HEADS, mla.LATENT, mla.ROPE
     if args.q_heads % args.kv_heads:
         parser.error("--q-heads must be a multiple of --kv-heads")
 
@@ -294,7 +317,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{i + 1}/{len(cases)}] batch {case.batch}, extend {case.extend}, "
               f"prefix {case.prefix}", flush=True)  # fmt: skip
         rows.append(run_case(case, args, dtype, device, args.seed + i))
-    shape = f"{args.q_heads}/{args.kv_heads} heads x {args.head_dim}, {dtype}".replace("torch.", "")
+    if args.shape == "mla":
+        shape = f"MLA {args.q_heads} heads x ({args.latent_dim} + {args.rope_dim}), {dtype}"
+    else:
+        shape = f"{args.q_heads}/{args.kv_heads} heads x {args.head_dim}, {dtype}"
+    shape = shape.replace("torch.", "")
     print(f"\nhandoff extend attention, one layer, {shape}, on {name}")
     print(table(rows, peak))
     if not args.smoke:

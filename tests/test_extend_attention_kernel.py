@@ -233,14 +233,16 @@ def test_reference_matches_sdpa_on_contiguous_slots() -> None:
     assert torch.equal(k_pool, k_all) and torch.equal(v_pool, v_all), f"seed {seed}"
 
 
-def test_benchmark_smoke_agrees_with_sglang_and_the_reference(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shape", ["gqa", "mla"])
+def test_benchmark_smoke_agrees_with_sglang_and_the_reference(tmp_path: Path, shape: str) -> None:
     """The GPU benchmark's own plumbing, in the interpreter: pdd's kernel and SGLang's Triton
     extend attention on the same paged batches (prefix 0 included) agree with each other and
-    with the reference, and the table, JSON and PNG come out."""
+    with the reference, and the table, JSON and PNG come out; for both shapes."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                SGLANG_USE_CPU_ENGINE="1")  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, "-m", "pdd.eval.bench_extend_kernel", "--smoke", "--out", str(tmp_path)],
+        [sys.executable, "-m", "pdd.eval.bench_extend_kernel", "--smoke", "--shape", shape,
+         "--out", str(tmp_path)],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -251,6 +253,7 @@ def test_benchmark_smoke_agrees_with_sglang_and_the_reference(tmp_path: Path) ->
     assert all(r["agrees"] and r["max_abs_diff"] <= 1e-4 for r in data["rows"]), data["rows"]
     assert (tmp_path / "extend_kernel.png").stat().st_size > 0
     assert proc.stdout.count(" ok") == 3, proc.stdout
+    assert ("MLA" in data["shape"]) == (shape == "mla"), data["shape"]
 
 
 @without_gpu("the benchmark runs there instead of refusing")
