@@ -12,13 +12,17 @@ through two PDD deployments in turn:
   suffix MD lacks; the router's cache-sync view predicts MD's hit before sending.
 P and MD get the same small KV pool (`--pool` tokens), so both must evict. For each request it
 records P's hit (P's own `cached_tokens`), MD's hit (READY), the router's prediction and the KV
-bytes that crossed; the WAN link's byte counter checks the total. Prints a table and writes JSON
-and a PNG (hit rates over the run, WAN bytes per request) to --out.
+bytes that crossed; the WAN link's byte counter checks the total against this benchmark's own
+count of the KV MD lacked (prompt minus MD's hit, times the KV bytes per token the model's
+config gives: K and V per head, or MLA's latent + rope). `--path main` sends every request
+P -> MD (the decode cache alone), `pdd` (default) through the router's policy. Prints a table
+and writes JSON and a PNG (hit rates over the run, WAN bytes per request) to --out.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,8 +33,10 @@ from pdd.launch.cli import command_parser
 from pdd.launch.pd_local import generate
 from pdd.launch.pdd_deploy import PDDDeployment
 from pdd.launch.process import exit_on_sigterm
+from pdd.launch.servers import DTYPE_ENV
 from pdd.launch.testbed import Testbed, add_flow_window_argument
 from pdd.launch.wan import LinkParams
+from pdd.models.kv import DTYPE_BYTES, kv_bytes_per_token
 
 WINDOW = 10  # requests per point of the hit-rate plot
 BLOCK = 16  # MD's --pdd-cache-block (the default)
@@ -53,7 +59,14 @@ class Run:
     name: str
     samples: list[Sample] = field(default_factory=list)
     wan_link_bytes: int = 0  # the WAN's own counter, A -> B, over the whole run
+    kv_bytes_per_token: int = 0  # from the model's config and the servers' dtype
     failures: int = 0
+
+    @property
+    def link_over_own_count(self) -> float:
+        """The link's bytes over the KV MD lacked by this benchmark's own count."""
+        lacked = sum(s.prompt - s.md_cached for s in self.samples) * self.kv_bytes_per_token
+        return self.wan_link_bytes / max(1, lacked)
 
     def hit(self, side: str, samples: list[Sample] | None = None) -> float:
         rows = self.samples if samples is None else samples
@@ -113,7 +126,7 @@ def run_stream(name: str, pdd: PDDDeployment, tb: Testbed, cfg: AgenticConfig, n
 def table(runs: list[Run]) -> str:
     lines = [f"{'deployment':16s} {'requests':>8s} {'P hit':>6s} {'MD hit':>6s} {'MD-P':>6s} "
              f"{'worst window':>14s} {'KV MB/req':>9s} {'link MB':>8s} {'ratio':>6s} "
-             f"{'predicted':>9s} {'failed':>6s}"]  # fmt: skip
+             f"{'predicted':>9s} {'link/own':>8s} {'failed':>6s}"]  # fmt: skip
     base = runs[0].wan_per_request
     for r in runs:
         gap = r.worst_window_gap
@@ -122,7 +135,7 @@ def table(runs: list[Run]) -> str:
             f"{100 * (r.hit('MD') - r.hit('P')):+5.1f}pp {100 * gap:+13.1f}pp "
             f"{r.wan_per_request / 1e6:9.2f} {r.wan_link_bytes / 1e6:8.1f} "
             f"{base / max(r.wan_per_request, 1):5.1f}x {r.predicted_within_block:9.0%} "
-            f"{r.failures:6d}"
+            f"{r.link_over_own_count:8.3f} {r.failures:6d}"
         )
     return "\n".join(lines)
 
@@ -136,7 +149,9 @@ def verdict(runs: list[Run]) -> str:
         f"{gap:+.1f} pp ({'met' if gap >= -2 else 'NOT met'}); "
         f"WAN bytes per request >= 5x fewer than without "
         f"the decode cache: {fewer:.1f}x ({'met' if fewer >= 5 else 'NOT met'}) at an average "
-        f"P-side hit of {drc.hit('P'):.0%}"
+        f"P-side hit of {drc.hit('P'):.0%}; link bytes over the KV MD lacked (own count): "
+        f"{drc.link_over_own_count:.3f} (target <= 1.05: "
+        f"{'met' if drc.link_over_own_count <= 1.05 else 'NOT met'})"
     )
 
 
@@ -175,17 +190,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one way")
     add_flow_window_argument(parser)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--path", choices=("pdd", "main"), default="pdd",
+                        help="main: every request P -> MD; pdd: the router's policy")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("runs/bench_drc"))
     args = parser.parse_args(argv)
     exit_on_sigterm()
 
-    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
+    config = json.loads((args.model / "config.json").read_text())
+    vocab = config["vocab_size"]
+    dtype = os.environ.get(DTYPE_ENV) or config.get("dtype") or config.get("torch_dtype")
+    kvb = kv_bytes_per_token(args.model, DTYPE_BYTES[dtype])
     cfg = AgenticConfig(vocab=vocab, seed=args.seed, sessions=args.sessions,
                         max_context=args.pool // 2)  # fmt: skip
     pool = ("--max-total-tokens", str(args.pool))
     title = (
         f"{args.model.name}, {args.sessions} agentic sessions, {args.requests} requests, "
-        f"{args.pool}-token KV pools on P and MD, WAN {args.rate_mbit:.0f} Mbit/s"
+        f"{args.pool}-token KV pools on P and MD, WAN {args.rate_mbit:.0f} Mbit/s, "
+        f"{kvb} KV bytes per token ({dtype}), path {args.path}"
     )
     tb = Testbed(
         "pddbdrc",
@@ -202,13 +223,14 @@ def main(argv: list[str] | None = None) -> None:
             pdd = PDDDeployment.create(args.model, args.out / name.replace(" ", "_"),
                                        tb.placement("a"), tb.placement("b"), main_args=pool,
                                        prefill_args=pool, decode_cache=decode_cache,
-                                       path="pdd")  # fmt: skip
+                                       path=args.path)  # fmt: skip
             try:
                 print(f"starting P + RLD (A), MD (B), router (A): {name}", flush=True)
                 pdd.up()
                 generate(pdd.url, {"input_ids": random_ids(64, 7, vocab),
                                    "sampling_params": {"max_new_tokens": 4}})  # fmt: skip
                 runs.append(run_stream(name, pdd, tb, cfg, args.requests, args.max_new))
+                runs[-1].kv_bytes_per_token = kvb
             finally:
                 pdd.down()
     finally:
