@@ -111,10 +111,9 @@ def ideal_bytes(inputs: dict[str, Any], case: Case) -> int:
     )
 
 
-def sglang_extend(inputs: dict[str, Any], case: Case) -> Callable[[], torch.Tensor]:
-    """SGLang's Triton-backend extend for this batch: a closure that stores and attends."""
-    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
-
+def sglang_indices(inputs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """SGLang's extend metadata for a batch, built once as SGLang builds it: qo_indptr,
+    kv_indptr, kv_indices (the prefixes' slots) and the new tokens' slots."""
     from pdd.kernels.paged_batch import new_slots
 
     device = inputs["q"].device
@@ -123,8 +122,14 @@ def sglang_extend(inputs: dict[str, Any], case: Case) -> Callable[[], torch.Tens
     kv_indices = torch.cat([rows[i, :p] for i, p in enumerate(prefix_lens)])
     kv_indptr = torch.tensor([0, *prefix_lens], device=device).cumsum(0).to(torch.int32)
     qo_indptr = torch.tensor([0, *inputs["extend_lens"].tolist()], device=device)
-    qo_indptr = qo_indptr.cumsum(0).to(torch.int32)
-    loc = new_slots(inputs)
+    return qo_indptr.cumsum(0).to(torch.int32), kv_indptr, kv_indices, new_slots(inputs)
+
+
+def sglang_extend(inputs: dict[str, Any], case: Case) -> Callable[[], torch.Tensor]:
+    """SGLang's Triton-backend extend for this batch: a closure that stores and attends."""
+    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+
+    qo_indptr, kv_indptr, kv_indices, loc = sglang_indices(inputs)
     out = torch.empty_like(inputs["q"])
     q, k, v = inputs["q"], inputs["k_new"], inputs["v_new"]
     k_pool, v_pool = inputs["k_pool"], inputs["v_pool"]

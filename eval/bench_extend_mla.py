@@ -54,17 +54,10 @@ def pdd_extend(inputs: dict[str, Any], extend: int) -> Callable[[], torch.Tensor
 def sglang_extend(inputs: dict[str, Any], extend: int) -> Callable[[], torch.Tensor]:
     from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 
-    from pdd.kernels.paged_batch import new_slots
+    from pdd.eval.bench_extend_kernel import sglang_indices
 
     q, kv, pool, latent = inputs["q"], inputs["kv_new"], inputs["kv_pool"], inputs["latent_dim"]
-    device = q.device
-    rows = inputs["req_to_token"][inputs["req_pool_idx"].long()].long()
-    prefix_lens = inputs["prefix_lens"].tolist()
-    kv_indices = torch.cat([rows[i, :p] for i, p in enumerate(prefix_lens)])
-    kv_indptr = torch.tensor([0, *prefix_lens], device=device).cumsum(0).to(torch.int32)
-    qo_indptr = torch.tensor([0, *inputs["extend_lens"].tolist()], device=device)
-    qo_indptr = qo_indptr.cumsum(0).to(torch.int32)
-    loc = new_slots(inputs)
+    qo_indptr, kv_indptr, kv_indices, loc = sglang_indices(inputs)
     out = q.new_empty(q.shape[0], q.shape[1], latent)
     scale = q.shape[-1] ** -0.5
 

@@ -68,7 +68,21 @@ def colocated(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     every path must reproduce (it holds no state a test depends on). Started when first asked
     for, not waited for here: a module waits for it after starting its own servers, so the
     start-ups overlap."""
-    server = SGLangServer("colocated", tiny_model, free_port(), tmp_path_factory.mktemp("ref"))
+    yield from _colocated("colocated", tiny_model, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def mla_colocated(
+    mla_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SGLangServer]:
+    """A colocated server of the MLA model, for the module that asks (started, not waited for)."""
+    yield from _colocated("colocated_mla", mla_model, tmp_path_factory)
+
+
+def _colocated(
+    name: str, model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SGLangServer]:
+    server = SGLangServer(name, model, free_port(), tmp_path_factory.mktemp("ref"))
     server.start()
     try:
         yield server

@@ -69,19 +69,6 @@ class Deployment:
                 self.relay, self.main]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def mla_colocated(
-    mla_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SGLangServer]:
-    server = SGLangServer("colocated_mla", mla_model, free_port(), tmp_path_factory.mktemp("ref"))
-    server.start()
-    try:
-        yield server
-    finally:
-        if server.process is not None:
-            stop_groups([server.process.pgid])
-
-
 @pytest.fixture(scope="module", params=["tiny", "mla"])
 def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[Deployment]:  # fmt: skip

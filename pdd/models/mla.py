@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from pdd.models.tiny import INIT_RANGE, MAX_POSITIONS, SEED, VOCAB_SIZE
-from pdd.models.tokenizer import ENDOFTEXT, IM_END, save_tokenizer, train_tokenizer
+from pdd.models.tiny import MAX_POSITIONS, VOCAB_SIZE, common_config, save_random_model
+from pdd.models.tokenizer import save_tokenizer, train_tokenizer
 
 
 @dataclass(frozen=True)
@@ -86,20 +85,9 @@ def make_mla(out: Path, shape: MlaShape = MLA) -> Path:
         first_k_dense_replace=1,
         n_group=1,
         topk_group=1,
-        max_position_embeddings=MAX_POSITIONS,
-        initializer_range=INIT_RANGE,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.token_to_id(ENDOFTEXT),
-        eos_token_id=tokenizer.token_to_id(IM_END),
-        pad_token_id=tokenizer.token_to_id(ENDOFTEXT),
-        dtype="bfloat16",
+        **common_config(tokenizer),
     )
-    torch.manual_seed(SEED)
-    model = DeepseekV3ForCausalLM(config).bfloat16()
-    model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, do_sample=False
-    )
-    model.save_pretrained(out)
+    save_random_model(DeepseekV3ForCausalLM, config, out)
     path = out / "config.json"
     saved = json.loads(path.read_text())
     saved.update(SGLANG_FIELDS)

@@ -60,19 +60,31 @@ def make_tiny(out: Path, shape: Shape = TINY) -> Path:
         num_attention_heads=shape.heads,
         num_key_value_heads=shape.kv_heads,
         **extra,
-        max_position_embeddings=MAX_POSITIONS,
-        initializer_range=INIT_RANGE,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.token_to_id(ENDOFTEXT),
-        eos_token_id=tokenizer.token_to_id(IM_END),
-        pad_token_id=tokenizer.token_to_id(ENDOFTEXT),
-        dtype="bfloat16",
+        **common_config(tokenizer),
     )
+    save_random_model(model_cls, config, out)
+    save_tokenizer(tokenizer, out, MAX_POSITIONS)
+    return out
+
+
+def common_config(tokenizer: Any) -> dict[str, Any]:
+    """What every test model's config shares: positions, init, tokens, bf16 weights."""
+    return {
+        "max_position_embeddings": MAX_POSITIONS,
+        "initializer_range": INIT_RANGE,
+        "tie_word_embeddings": False,
+        "bos_token_id": tokenizer.token_to_id(ENDOFTEXT),
+        "eos_token_id": tokenizer.token_to_id(IM_END),
+        "pad_token_id": tokenizer.token_to_id(ENDOFTEXT),
+        "dtype": "bfloat16",
+    }
+
+
+def save_random_model(model_cls: Any, config: Any, out: Path) -> None:
+    """Seeded random weights in bf16, greedy by default, written to `out`."""
     torch.manual_seed(SEED)
     model = model_cls(config).bfloat16()
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, do_sample=False
     )
     model.save_pretrained(out)
-    save_tokenizer(tokenizer, out, MAX_POSITIONS)
-    return out
