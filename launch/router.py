@@ -66,7 +66,11 @@ class RouterService(HttpService):
         for r in self.relay:
             argv += ["--relay", r.url]
         for m in self.main:
-            argv += ["--main", m.url, str(main_control_port(m))]
+            dp = flag_value(m.extra_args, "--dp-size")
+            if "--enable-dp-attention" in m.extra_args and dp is not None:
+                argv += ["--main-dp", m.url, str(main_control_port(m)), dp]
+            else:
+                argv += ["--main", m.url, str(main_control_port(m))]
         argv += [
             "--host", self.host,
             "--port", str(self.port),

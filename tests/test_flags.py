@@ -229,3 +229,17 @@ def test_md_refuses_an_unauthenticated_control_socket_beyond_loopback(
     assert "readable by others (mode 644): chmod 600" in caplog.text
     monkeypatch.setenv(ENV_SECRET, "from-env")
     assert config_from_args(public()).control_host == "10.0.0.2"
+
+
+def test_each_dp_ranks_control_port_must_be_a_port() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--disaggregation-mode", default="null")
+    parser.add_argument("--enable-dp-attention", action="store_true")
+    parser.add_argument("--dp-size", type=int, default=1)
+    add_args(parser)
+    base = ["--pdd-role", "main", "--disaggregation-mode", "decode", "--enable-dp-attention"]
+    ok = parser.parse_args([*base, "--dp-size", "4", "--pdd-control-port", "65532"])
+    assert config_from_args(ok).control_port == 65532
+    bad = parser.parse_args([*base, "--dp-size", "4", "--pdd-control-port", "65533"])
+    with pytest.raises(SystemExit, match="DP rank 3 would listen on 65536, beyond 65535"):
+        config_from_args(bad)

@@ -44,3 +44,20 @@ def test_router_refuses_an_unauthenticated_control_socket_beyond_loopback(
     assert config_from_args(parse("--control-host", "10.0.0.1", "--control-insecure")).path
     monkeypatch.setenv(ENV_SECRET, "s")
     assert config_from_args(parse("--control-host", "10.0.0.1")).secret == b"s"
+
+
+def test_main_dp_is_one_md_per_dp_rank_on_its_own_control_port() -> None:
+    cfg = config_from_args(parse("--main-dp", "http://10.0.0.3:30002", "17100", "2"))
+    dp = [(m.dp_rank, m.control_addr) for m in cfg.main if m.url == "http://10.0.0.3:30002"]
+    assert dp == [(0, "tcp://10.0.0.3:17100"), (1, "tcp://10.0.0.3:17101")]
+    assert [m.dp_rank for m in cfg.main if m.url == "http://10.0.0.2:30002"] == [None]
+
+
+@pytest.mark.parametrize(("port", "size", "error"), [
+    ("17100", "0", "DP size must be in 1-64, got '0'"),
+    ("17100", "two", "DP size must be in 1-64, got 'two'"),
+    ("65535", "2", "DP rank 1's control port must be in 1-65535, got 65536"),
+])  # fmt: skip
+def test_a_bad_main_dp_names_what_is_wrong(port: str, size: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        config_from_args(parse("--main-dp", "http://10.0.0.3:30002", port, size))

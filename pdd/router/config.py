@@ -8,6 +8,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from pdd.control.curve import CurveKeys, encrypt_problem
+from pdd.control.ports import rank_control_port
 from pdd.control.secret import ENV_SECRET, bind_problem, read_secret, warn_if_readable
 from pdd.policy.handoff import MODES, HandoffPolicy
 from pdd.policy.path import DEFAULT_PATHS, PathPolicy
@@ -54,12 +55,29 @@ class RelayTarget:
 
 @dataclass(frozen=True)
 class MainTarget:
+    """One MD: a server, or one DP rank of a server with DP attention (its requests carry
+    SGLang's `routed_dp_rank`; its control socket is the server's port plus the rank)."""
+
     url: str
-    control_port: int
+    control_port: int  # the server's --pdd-control-port
+    dp_rank: int | None = None
 
     @property
     def control_addr(self) -> str:
-        return f"tcp://{urlsplit(self.url).hostname}:{self.control_port}"
+        port = rank_control_port(self.control_port, self.dp_rank or 0)
+        return f"tcp://{urlsplit(self.url).hostname}:{port}"
+
+
+def _main_targets(main: list[list[str]], main_dp: list[list[str]]) -> tuple[MainTarget, ...]:
+    targets = [MainTarget(_check_url(u), _port(p, "control port")) for u, p in main]
+    for url, port, size in main_dp:
+        ranks = int(size) if size.isdigit() else 0
+        if not 1 <= ranks <= 64:
+            raise ValueError(f"--main-dp {url}: DP size must be in 1-64, got {size!r}")
+        base = _port(port, "control port")
+        _port(rank_control_port(base, ranks - 1), f"DP rank {ranks - 1}'s control port")
+        targets += [MainTarget(_check_url(url), base, rank) for rank in range(ranks)]
+    return tuple(targets)
 
 
 @dataclass(frozen=True)
@@ -188,6 +206,16 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=[],
         metavar=("URL", "CONTROL_PORT"),
         help="a MainDecode (MD) server and its --pdd-control-port; repeatable",
+    )
+    add(
+        "--main-dp",
+        nargs=3,
+        action="append",
+        default=[],
+        metavar=("URL", "CONTROL_PORT", "DP_SIZE"),
+        help="an MD server started with --enable-dp-attention --dp-size DP_SIZE: each DP rank is "
+        "an MD of its own (its queue, KV pool and radix cache; control socket CONTROL_PORT + "
+        "rank), its requests pinned with SGLang's routed_dp_rank; repeatable",
     )
     add("--host", default="127.0.0.1")
     add("--port", type=int, default=8000)
@@ -371,7 +399,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             PrefillTarget(_check_url(u), _port(p, "bootstrap port")) for u, p in args.prefill
         ),
         relay=tuple(RelayTarget(_check_url(u)) for u in args.relay),
-        main=tuple(MainTarget(_check_url(u), _port(p, "control port")) for u, p in args.main),
+        main=_main_targets(args.main, args.main_dp),
         host=args.host,
         port=args.port,
         control_host=args.control_host,

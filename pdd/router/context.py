@@ -73,6 +73,7 @@ class RouterContext:
         self.prefill_index = [PrefixIndex(cfg.prefill_index_blocks) for _ in cfg.prefill]
         for tier in TIERS:
             self.loads.setdefault(tier, Load([0] * len(urls[tier])))
+        self.loads["main"].dp_ranks = [t.dp_rank for t in cfg.main]
 
     def live_loads(self, tier: str) -> list[int | None]:
         """Each instance's requests (as the server reports them); None for one that is down."""

@@ -56,7 +56,7 @@ class PddRequest(HandoffFlow, ResumeFlow):
             self.meta.md_predicted_cached_tokens = self.plan.md_predicted
             park = self.path == "pdd"
             hints = route_hint(role="main", park=park, reply_to=self.ctx.reply_to)
-            main_body = self._body(rid=self.rid, room=self.room_md, stream=True, hints=hints)
+            main_body = self._main_body(rid=self.rid, room=self.room_md, hints=hints)
             self._stream("main", self.main_url, main_body, "MD")
         if self.path == "main":
             self._mark("prefill_main_sent")

@@ -132,6 +132,15 @@ class RequestBase(ABC):
             body["kv_hints"] = hints
         return body
 
+    def _main_body(self, *, rid: str, room: int, hints: dict, base: dict | None = None) -> dict:
+        """MD's request; an MD that is one DP rank of a server gets it pinned there."""
+        body = self._body(rid=rid, room=room, stream=True, hints=hints, base=base)
+        dp_rank = self.cfg.main[self.held["main"]].dp_rank
+        if dp_rank is not None:
+            body["routed_dp_rank"] = dp_rank
+            self.meta.instances["main_dp_rank"] = str(dp_rank)
+        return body
+
     @property
     def prefill_url(self) -> str:
         return self.cfg.prefill[self.held["prefill"]].url

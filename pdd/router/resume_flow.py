@@ -70,7 +70,6 @@ class ResumeFlow(RequestBase):
             self.md = MdState.HANDED_OFF  # MD feeds the client from here
             self.main_rid = f"{self.rid}-m2"
             hints = route_hint(role="main", park=False, reply_to=self.ctx.reply_to)
-            main_body = self._body(rid=self.main_rid, room=room, stream=True, hints=hints,
-                                   base=body)  # fmt: skip
+            main_body = self._main_body(rid=self.main_rid, room=room, hints=hints, base=body)
             self._stream("main", self.main_url, main_body, "MD")
         return True

@@ -7,6 +7,7 @@ router adds the requests it has sent since it asked, so a burst does not all lan
 instance that looked idle. An instance that does not answer falls back to the router's count.
 Each instance's capacity (the requests it runs at once, as SGLang resolved it) comes from its
 `/server_info` once: the path policy keeps a small RelayDecode tier from being overfilled.
+An instance that is one DP rank of a server (an MD with DP attention) counts that rank alone.
 """
 
 from __future__ import annotations
@@ -24,22 +25,31 @@ LOADS_PATH = "/v1/loads?include=core"
 INFO_PATH = "/server_info"
 
 
-def capacity_reported(doc: Any) -> int:
-    """Requests the server runs at once, over every DP rank of a `/server_info` answer."""
+def capacity_reported(doc: Any, dp_rank: int | None = None) -> int:
+    """Requests the server runs at once, over every DP rank of a `/server_info` answer (or on
+    `dp_rank` alone)."""
     states = doc.get("internal_states")
     if isinstance(states, list) and states:
-        return sum(int(s["effective_max_running_requests_per_dp"]) for s in states)
+        per_rank = [int(s["effective_max_running_requests_per_dp"]) for s in states]
+        if dp_rank is None:
+            return sum(per_rank)
+        # One state per DP rank, in rank order; a server without DP reports one for all.
+        return per_rank[dp_rank] if len(per_rank) > dp_rank else per_rank[0]
     value = doc.get("max_running_requests")
     if value is None:
         raise ValueError("no max running requests in the answer")
     return int(value)
 
 
-def requests_reported(doc: Any) -> int:
-    """Running plus waiting requests over every DP rank of a `/v1/loads` answer."""
+def requests_reported(doc: Any, dp_rank: int | None = None) -> int:
+    """Running plus waiting requests over every DP rank of a `/v1/loads` answer (or `dp_rank`'s)."""
     loads = doc["loads"]
     if not isinstance(loads, list) or not loads:
         raise ValueError("no loads in the answer")
+    if dp_rank is not None:
+        loads = [r for r in loads if int(r["dp_rank"]) == dp_rank]
+        if not loads:
+            raise ValueError(f"no load of DP rank {dp_rank} in the answer")
     return sum(int(r["num_running_reqs"]) + int(r["num_waiting_reqs"]) for r in loads)
 
 
@@ -53,6 +63,7 @@ class Load:
     reported: list[int | None] = field(default_factory=list)
     sent_since: list[int] = field(default_factory=list)
     capacity: list[int | None] = field(default_factory=list)  # None: not reported (yet)
+    dp_ranks: list[int | None] = field(default_factory=list)  # an instance that is one DP rank
     cursor: int = 0
 
     def __post_init__(self) -> None:
@@ -60,6 +71,7 @@ class Load:
         self.reported = self.reported or [None] * n
         self.sent_since = self.sent_since or [0] * n
         self.capacity = self.capacity or [None] * n
+        self.dp_ranks = self.dp_ranks or [None] * n
 
     def value(self, i: int) -> int:
         reported = self.reported[i]
@@ -89,7 +101,7 @@ class Load:
                 f"{url}{LOADS_PATH}", timeout=aiohttp.ClientTimeout(total=timeout)
             ) as resp:
                 resp.raise_for_status()
-                reported = requests_reported(await resp.json())
+                reported = requests_reported(await resp.json(), self.dp_ranks[i])
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError) as err:
             if self.reported[i] is not None:
                 logger.warning("%s%s failed (%r): counting own requests", url, LOADS_PATH, err)
@@ -108,7 +120,7 @@ class Load:
                 f"{url}{INFO_PATH}", timeout=aiohttp.ClientTimeout(total=timeout)
             ) as resp:
                 resp.raise_for_status()
-                self.capacity[i] = capacity_reported(await resp.json())
+                self.capacity[i] = capacity_reported(await resp.json(), self.dp_ranks[i])
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError,
                 TypeError) as err:  # fmt: skip
             logger.debug("%s%s failed (%r): capacity unknown for now", url, INFO_PATH, err)

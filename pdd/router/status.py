@@ -21,15 +21,21 @@ def _gauges(ctx: RouterContext) -> dict[str, list[tuple[Labels, float]]]:
     }
     for tier in TIERS:
         for i, url in enumerate(ctx.health.urls(tier)):
-            labels = (("tier", tier), ("url", url))
+            labels = _labels(tier, url, ctx.loads[tier].dp_ranks[i])
             out["instance_load"].append((labels, ctx.loads[tier].value(i)))
             out["instance_up"].append((labels, float(ctx.health.up(tier, i))))
     for target, est in zip(ctx.config.main, ctx.wan, strict=True):
-        labels = (("tier", "main"), ("url", target.url))
+        labels = _labels("main", target.url, target.dp_rank)
         if est.bytes_per_s is not None:
             out["wan_bytes_per_second"].append((labels, est.bytes_per_s))
         out["wan_overhead_seconds"].append((labels, est.overhead_s))
     return out
+
+
+def _labels(tier: str, url: str, dp_rank: int | None) -> Labels:
+    # The DP ranks of one MD server share its URL: each is a series of its own.
+    rank = () if dp_rank is None else (("dp_rank", str(dp_rank)),)
+    return (("tier", tier), ("url", url), *rank)
 
 
 def metrics_text(ctx: RouterContext) -> str:
@@ -53,6 +59,7 @@ def status_body(ctx: RouterContext, uptime_s: float) -> dict[str, Any]:
                            for i, t in enumerate(targets)]  # fmt: skip
     now = time.monotonic()
     for i, est in enumerate(ctx.wan):
+        instances["main"][i]["control_addr"] = config.main[i].control_addr  # md_caches' key
         instances["main"][i]["wan"] = est.to_dict()
         residual = ctx.first_token_residual[i]
         instances["main"][i]["first_token_extra_s"] = round(residual.value(now), 4)

@@ -17,6 +17,7 @@ from sglang.srt.plugins.hook_registry import HookType
 
 from pdd.control.curve import CurveKeys, encrypt_problem
 from pdd.control.messages import MAX_BLOCK
+from pdd.control.ports import rank_control_port
 from pdd.control.secret import ENV_SECRET, bind_problem, read_secret, warn_if_readable
 from pdd.srt.cpu_disagg import adjust_cpu_args
 from pdd.srt.cpu_support import has_gpu, triton_interpreted
@@ -196,6 +197,13 @@ def config_from_args(args: argparse.Namespace) -> PddConfig:
         raise SystemExit("error: --pdd-role main needs --pdd-control-port")
     if port is not None and not 0 < port < 65536:
         raise SystemExit(f"error: --pdd-control-port {port} is not a port number")
+    dp_attention = getattr(args, "enable_dp_attention", False)
+    last_rank = int(getattr(args, "dp_size", 1) or 1) - 1 if dp_attention else 0
+    if port is not None and rank_control_port(port, last_rank) > 65535:
+        raise SystemExit(
+            f"error: --pdd-control-port {port}: DP rank {last_rank} would listen "
+            f"on {rank_control_port(port, last_rank)}, beyond 65535"
+        )
     park_timeout = getattr(args, "pdd_park_timeout", DEFAULT_PARK_TIMEOUT_S)
     if park_timeout <= 0:
         raise SystemExit("error: --pdd-park-timeout must be positive")

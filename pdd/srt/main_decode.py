@@ -46,6 +46,7 @@ from pdd.control.messages import (
     RouteHint,
     parse_route_hint,
 )
+from pdd.control.ports import rank_control_port
 from pdd.srt.cache_events import install
 from pdd.srt.control_rank import ControlBatch, Gatherer
 from pdd.srt.flags import PddConfig
@@ -71,15 +72,24 @@ class Stats:
 
 
 class MainDecode:
-    """Per-scheduler state of an MD server: one per TP rank, all in step (see control_rank)."""
+    """Per-scheduler state of an MD server: one per TP rank, all in step (see control_rank).
+
+    With DP attention each DP rank is its own MainDecode (its own waiting queue, KV pool and
+    radix cache): its attention-TP rank 0 binds the control port plus the DP rank, and its
+    messages reach the ranks of its attention-TP group only, through the same broadcast.
+    """
 
     def __init__(self, scheduler: Any, config: PddConfig) -> None:
         from sglang.utils import TypeBasedDispatcher
 
         self.scheduler = scheduler
         self.config = config
-        self.tp = scheduler.tp_group
+        from sglang.srt.runtime_context import get_parallel
+
+        # The ranks that share this scheduler's waiting queue (all TP ranks without DP attention).
+        self.tp = scheduler.attn_tp_group
         self.leader = self.tp.rank_in_group == 0
+        self.dp_rank = int(get_parallel().attn_dp_rank)
         self.parked: dict[str, Parked] = {}
         # CANCELs that arrived before the request's KV did: rid -> (reason, when).
         self.early_cancels: dict[str, tuple[str, float]] = {}
@@ -100,7 +110,8 @@ class MainDecode:
         self.reporter = CacheReporter(config.cache_block, self.control.send)
         if not self.leader:
             return
-        addr = f"tcp://{config.control_host}:{config.control_port}"
+        port = rank_control_port(config.control_port or 0, self.dp_rank)
+        addr = f"tcp://{config.control_host}:{port}"
         self.control.bind(addr)
         install(scheduler.tree_cache, self.reporter)
         # A control message must wake the scheduler when it waits between transfer polls.
@@ -111,8 +122,8 @@ class MainDecode:
         if sleeper is not None and hasattr(sleeper, "poller"):
             sleeper.poller.register(self.control.socket, zmq.POLLIN)
         wire = "CURVE-encrypted" if config.control_encrypt else "cleartext"
-        logger.info("PDD MainDecode: control plane on %s (TP size %d, %s)", addr,
-                    self.tp.world_size, wire)  # fmt: skip
+        logger.info("PDD MainDecode: control plane on %s (DP rank %d, attention TP size %d, %s)",
+                    addr, self.dp_rank, self.tp.world_size, wire)  # fmt: skip
 
     def busy(self) -> bool:
         """Holds KV or has control output or input pending: the loop must come round."""

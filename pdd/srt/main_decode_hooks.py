@@ -17,9 +17,6 @@ def check_supported(scheduler: Any) -> None:
     if not scheduler.spec_algorithm.is_none():
         # A handed-off request would need its draft model's KV for the handed-over tokens too.
         raise RuntimeError("--pdd-role main does not support speculative decoding yet")
-    if getattr(scheduler.server_args, "enable_dp_attention", False):
-        # The control plane reaches the ranks of one TP group; DP attention splits the queues.
-        raise RuntimeError("--pdd-role main does not support --enable-dp-attention yet")
     if getattr(scheduler.server_args, "pp_size", 1) != 1:
         raise RuntimeError("--pdd-role main does not support --pp-size > 1 yet")
 
@@ -78,6 +75,9 @@ def _around_next_decode_batch(original: Any, scheduler: Any, *args: Any, **kwarg
     # This step runs the handoff extend; decoding (and new arrivals) go on next step, as
     # SGLang's own scheduler runs a prefill before the next decode step.
     running = kwargs.get("running_batch", args[0] if args else scheduler.running_batch)
+    # With DP attention every DP rank's forward joins the same MoE collectives: SGLang's own
+    # sync tells the other ranks this step's token count (a no-op without DP attention).
+    extend = scheduler.dp_attn_adapter.maybe_prepare_mlp_sync_batch(extend)
     return NextBatchPlan(batch_to_run=extend, running_batch=running)
 
 

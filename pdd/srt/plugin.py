@@ -13,6 +13,7 @@ def all_hooks() -> list[Hook]:
     in each process, and the hook modules import SGLang's)."""
     from pdd.srt import (
         cpu_disagg,
+        cpu_dp,
         cpu_fork,
         cpu_tp,
         flags,
@@ -24,8 +25,8 @@ def all_hooks() -> list[Hook]:
         wan_transfer,
     )
 
-    return [*flags.HOOKS, *cpu_disagg.HOOKS, *cpu_fork.HOOKS, *cpu_tp.HOOKS, *idle.HOOKS,
-            *main_decode_hooks.HOOKS, *mla_cpu.HOOKS, *prefill_heartbeat.HOOKS,
+    return [*flags.HOOKS, *cpu_disagg.HOOKS, *cpu_dp.HOOKS, *cpu_fork.HOOKS, *cpu_tp.HOOKS,
+            *idle.HOOKS, *main_decode_hooks.HOOKS, *mla_cpu.HOOKS, *prefill_heartbeat.HOOKS,
             *request_guard.HOOKS, *wan_transfer.HOOKS]  # fmt: skip
 
 
