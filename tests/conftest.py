@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
@@ -13,7 +13,7 @@ import pytest
 from pdd.launch.pd_local import LocalPD, format_seconds
 from pdd.launch.process import free_port, stop_groups
 from pdd.launch.router import RouterService
-from pdd.launch.servers import DTYPE_ENV, SGLangServer
+from pdd.launch.servers import DTYPE_ENV, HttpService, SGLangServer
 
 # Every server a test starts runs in float32, so greedy outputs of different paths cannot differ
 # by a bf16 near-tie (see DTYPE_ENV); tests/test_pd_same_dc.py checks that it took effect.
@@ -107,6 +107,20 @@ def serving(colocated: SGLangServer, pd: Deployment, *routers: RouterService) ->
         groups = list(pd.pgids().values())
         groups += [p.process.pgid for p in routers if p.process is not None]
         stop_groups(groups)
+
+
+@contextmanager
+def running(services: Sequence[HttpService], *references: SGLangServer) -> Iterator[None]:
+    """Starts the services all at once (their start-ups overlap), waits for them and for the
+    reference servers started elsewhere; stops the services after."""
+    try:
+        for s in services:
+            s.start()
+        for s in [*services, *references]:
+            s.wait_ready()
+        yield
+    finally:
+        stop_groups([s.process.pgid for s in services if s.process is not None])
 
 
 @pytest.fixture(scope="module")

@@ -22,9 +22,10 @@ import pytest
 
 from pdd.launch.pd_local import generate
 from pdd.launch.pdd_deploy import DECODE_CACHE_FLAG
-from pdd.launch.process import free_port, stop_groups
+from pdd.launch.process import free_port
 from pdd.launch.router import RouterService
 from pdd.launch.servers import SGLangServer
+from tests.conftest import running
 from tests.test_decode_cache import router_status
 from tests.test_pd_same_dc import random_ids
 from tests.test_router_paths import (
@@ -70,15 +71,8 @@ def d(mla_model: Path, mla_colocated: SGLangServer,
         router=RouterService("router", free_port(), run, [prefill], [relay], [main], path="pdd",
                              extra_args=["--handoff-mode", "extend", *TEST_CONTROLS]),
     )  # fmt: skip
-    try:
-        for s in d.servers():
-            s.start()
-        for s in d.servers():
-            s.wait_ready()
-        mla_colocated.wait_ready()
+    with running(d.servers(), mla_colocated):
         yield d
-    finally:
-        stop_groups([s.process.pgid for s in d.servers() if s.process is not None])
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,7 @@ from pdd.router.tokenizer import (
     to_token_ids,
 )
 from tests.aio_apps import ok_routes, serving, stream_answer
+from tests.conftest import running
 
 MODEL = "tiny-pdd"
 MESSAGES: list[Any] = [{"role": "user", "content": "Say something about decoding."}]
@@ -564,7 +565,7 @@ class Live:
 def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     from pdd.control.secret import write_secret
     from pdd.launch.pdd_deploy import DECODE_CACHE_FLAG
-    from pdd.launch.process import free_port, stop_groups
+    from pdd.launch.process import free_port
     from pdd.launch.router import RouterService
     from pdd.launch.servers import SGLangServer
 
@@ -589,18 +590,11 @@ def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                     "--max-prompt-tokens", str(limit), "--secret-file", secret,
                     "--control-encrypt"],
     )  # fmt: skip
-    services = [router, prefill, relay, main]
-    try:
-        for s in services:
-            s.start()
-        for s in services:
-            s.wait_ready()
+    with running([router, prefill, relay, main]):
         from pdd.models.kv import kv_bytes_per_token
 
         logs = {s.name: run_dir / f"{s.name}.log" for s in (router, main)}
         yield Live(router.url, limit, kv_bytes_per_token(tiny_model, dtype_bytes=4), logs)
-    finally:
-        stop_groups([s.process.pgid for s in services if s.process is not None])
 
 
 def client(live: Live) -> openai.OpenAI:

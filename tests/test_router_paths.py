@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 
 from pdd.launch.pd_local import generate
-from pdd.launch.process import free_port, stop_groups
+from pdd.launch.process import free_port
 from pdd.launch.router import RouterService
 from pdd.launch.servers import DTYPE_ENV, SGLangServer
 from pdd.models.kv import DTYPE_BYTES, kv_bytes_per_token
+from tests.conftest import running
 from tests.test_pd_same_dc import random_ids
 
 MAX_NEW = 96
@@ -106,15 +107,8 @@ def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
                                 extra_args=["--md-feed-after-tokens", "100000",
                                             "--ready-timeout", "1", *TEST_CONTROLS]),
     )  # fmt: skip
-    try:
-        for s in d.servers():
-            s.start()
-        for s in d.servers():
-            s.wait_ready()
-        colocated.wait_ready()
+    with running(d.servers(), colocated):
         yield d
-    finally:
-        stop_groups([s.process.pgid for s in d.servers() if s.process is not None])
 
 
 def kv_per_token(d: Deployment) -> int:

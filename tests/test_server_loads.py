@@ -36,6 +36,16 @@ def test_capacity_is_what_sglang_resolved_over_dp_ranks() -> None:
         capacity_reported({"internal_states": [], "max_running_requests": None})
 
 
+def test_an_md_that_is_one_dp_rank_counts_that_rank_alone() -> None:
+    assert requests_reported(answer((3, 1), (2, 0)), dp_rank=1) == 2
+    with pytest.raises(ValueError, match="no load of DP rank 2"):
+        requests_reported(answer((3, 1), (2, 0)), dp_rank=2)
+    states = [{"effective_max_running_requests_per_dp": n} for n in (4, 6)]
+    assert capacity_reported({"internal_states": states}, dp_rank=1) == 6
+    # A server without DP attention reports one state for all its ranks.
+    assert capacity_reported({"internal_states": states[:1]}, dp_rank=1) == 4
+
+
 def test_without_a_report_the_router_counts_its_own_requests() -> None:
     load = Load([0, 0])
     load.hold(1)
