@@ -41,6 +41,12 @@ def sig(**kw: object) -> Signals:
         (sig(transfer_s=1.4), "main", "meets the SLA"),
         # ...but not when P->MD first tokens lately took 0.5 s more than compute + transfer.
         (sig(transfer_s=1.4, main_extra_s=0.5), "pdd", "first token on P->MD ~3.40s"),
+        # ...and the reason says so: the hit is high, MD was slow lately (its queue, say).
+        (
+            sig(md_cached_tokens=3900, transfer_s=0.1, prefill_s=0.2, main_extra_s=3.0),
+            "pdd",
+            "P->MD slow lately (+3.00s): 3900/4000 tokens cached on MD",
+        ),
         # Low hit, 4-token answer: RLD is done in 0.12 s, long before the KV (2 s): singular.
         (sig(max_new_tokens=4, relay_decode_s=0.12), "relay", "singular"),
         # ...also when P->MD would meet the SLA: no WAN for an answer RLD makes alone.

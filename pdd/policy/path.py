@@ -12,9 +12,10 @@ load and capacity):
   session that opens with a long document would stay on RLD turn after turn);
 - P->MD whenever its predicted time to first token (P's compute + the uncached suffix's KV
   crossing to MD) meets the TTFT SLA: high-hit requests, whose small suffix crosses quickly;
-- P->RLD->MD otherwise (low hit: RLD hides the transfer, then hands off), unless RLD is full:
-  then P->MD even at a TTFT above the SLA. That guard is what keeps a low-hit burst from
-  overloading RLD, the paper's named collapse; it can be switched off to show that collapse.
+- P->RLD->MD otherwise (low hit, or P->MD slow lately: RLD hides the wait, then hands off),
+  unless RLD is full: then P->MD even at a TTFT above the SLA. That guard is what keeps a
+  low-hit burst from overloading RLD, the paper's named collapse; it can be switched off to
+  show that collapse.
 """
 
 from __future__ import annotations
@@ -135,6 +136,12 @@ def auto_path(s: Signals, policy: PathPolicy) -> PathChoice:
     when = "unknown" if ttft is None else f"~{ttft:.2f}s"
     if policy.guard and s.relay_load >= capacity:
         return PathChoice("main", f"RLD full ({s.relay_load}/{capacity}): {hit}, P->MD at {when}")
+    base = direct_ttft_base(s)
+    if base is not None and base <= policy.ttft_sla_s:
+        # P and the suffix's KV alone would meet it: what P->MD's first tokens took lately
+        # beyond them (MD's queue, a busy link) is what misses it, not the hit.
+        why = f"P->MD slow lately (+{s.main_extra_s:.2f}s)"
+        return PathChoice("pdd", f"{why}: {hit}, first token on P->MD {when}: RLD hides it")
     return PathChoice("pdd", f"low hit: {hit}, first token on P->MD {when}: RLD hides it")
 
 
