@@ -23,11 +23,12 @@ import pytest
 
 from pdd.eval.client import mirrored_tokens, wait_mirrored
 from pdd.launch.pd_local import generate
-from pdd.launch.process import free_port, stop_groups
+from pdd.launch.process import free_port
 from pdd.launch.router import RouterService
 from pdd.launch.servers import SGLangServer
 from pdd.launch.testbed import Testbed
 from pdd.launch.wan import LinkParams
+from tests.conftest import running
 from tests.marks import needs_root
 from tests.test_pd_same_dc import random_ids
 
@@ -112,21 +113,11 @@ def setup(
         extra_args=["--health-interval", str(HEALTH_S), "--ttft-sla", str(TTFT_SLA_S),
                     "--no-relay-guard"],
     )  # fmt: skip
-    servers = [prefill, relay, *mains]
     try:
-        for s in servers:
-            s.start()
-        for s in servers:
-            s.wait_ready()
-        router.start()
-        unguarded.start()
-        router.wait_ready()
-        unguarded.wait_ready()
-        colocated.wait_ready()
-        yield Setup(tb, colocated, mains, router, [], unguarded)
+        # The routers start once every server is ready.
+        with running([prefill, relay, *mains]), running([router, unguarded], colocated):
+            yield Setup(tb, colocated, mains, router, [], unguarded)
     finally:
-        groups = [s.process.pgid for s in [*servers, router, unguarded] if s.process is not None]
-        stop_groups(groups)
         tb.down()
 
 
@@ -240,7 +231,10 @@ def test_without_the_guard_a_full_rld_takes_low_hit_requests_anyway(setup: Setup
 
 
 def test_a_killed_md_is_avoided_and_no_request_is_lost(setup: Setup) -> None:
-    holder = setup.ask(setup.conversation, 8)["meta_info"]["pdd"]["instances"]["main"]
+    # P->MD by request: with 8 tokens to make the router may let RLD answer alone (whether RLD
+    # beats the KV is a race), and the MD holding the conversation must be named here.
+    turn = setup.ask(setup.conversation, 8, pdd_path="main")
+    holder = turn["meta_info"]["pdd"]["instances"]["main"]
     dead = next(m for m in setup.mains if m.url == holder)
     alive = next(m for m in setup.mains if m.url != holder)
     assert dead.process is not None

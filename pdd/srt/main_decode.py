@@ -80,12 +80,11 @@ class MainDecode:
     """
 
     def __init__(self, scheduler: Any, config: PddConfig) -> None:
+        from sglang.srt.runtime_context import get_parallel
         from sglang.utils import TypeBasedDispatcher
 
         self.scheduler = scheduler
         self.config = config
-        from sglang.srt.runtime_context import get_parallel
-
         # The ranks that share this scheduler's waiting queue (all TP ranks without DP attention).
         self.tp = scheduler.attn_tp_group
         self.leader = self.tp.rank_in_group == 0
