@@ -65,6 +65,13 @@ def sig(**kw: object) -> Signals:
         (sig(relay_load=2, relay_capacity=2), "main", "RLD full (2/2)"),
         (sig(relay_load=8, relay_capacity=16), "pdd", "low hit"),
         (sig(relay_load=8, max_new_tokens=4, relay_decode_s=0.12), "main", "RLD full"),
+        # RLD's KV pool cannot admit the prompt (it would wait there, and MD with it): P->MD,
+        # also for a singular request; a prompt that fits goes to RLD as before.
+        (sig(relay_kv_room=3999), "main", "RLD's KV full (room for 3999 tokens)"),
+        (sig(relay_kv_room=-200), "main", "room for 0 tokens"),
+        (sig(relay_kv_room=3999, max_new_tokens=4, relay_decode_s=0.12), "main", "KV full"),
+        (sig(relay_kv_room=4000), "pdd", "low hit"),
+        (sig(relay_kv_room=4000, max_new_tokens=4, relay_decode_s=0.12), "relay", "singular"),
         # Meeting the SLA beats RLD's load: it never needed RLD.
         (sig(relay_load=8, transfer_s=0.05), "main", "meets the SLA"),
         # Nothing measured yet (first requests): the safe path.
@@ -89,6 +96,7 @@ def test_without_the_guard_a_full_rld_still_takes_low_hit_requests() -> None:
     assert auto_path(sig(relay_load=8), unguarded).path == "pdd"
     assert auto_path(sig(relay_load=30), unguarded).path == "pdd"
     assert auto_path(sig(relay_load=8), POLICY).path == "main"
+    assert auto_path(sig(relay_kv_room=10), unguarded).path == "pdd"
 
 
 def test_no_tier_at_all_is_an_error() -> None:

@@ -4,7 +4,9 @@ P and RLD in datacenter A, two MDs in B, the router in A with `--path auto`. The
 (4 Mbit/s) so that, with the tiny model's 1 KB of KV per token (float32), a fresh 1000-token prompt
 takes seconds to reach MD, missing the router's 1 s TTFT SLA, while a conversation's next turn (MD
 holds all but its last few tokens) meets it: the three paths each become the right one for some
-request. RLD is small (two requests at once, as its server reports), so the guard shows.
+request. RLD is small (two requests at once, as its server reports), so the guard shows; a
+second RLD, with a KV pool too small for a long prompt beside SGLang's decode reservation, has a
+router of its own, to show the guard on RLD's KV room.
 Where a test needs MD to take over, RLD holds its output at HOLD tokens until MD is ready
 (pdd_hold_relay), so the handoff happens on any machine, however fast RLD decodes.
 """
@@ -35,6 +37,7 @@ from tests.test_pd_same_dc import random_ids
 HEALTH_S = 1.0
 TTFT_SLA_S = 1.0
 RLD_CAPACITY = 2
+SMALL_RLD_POOL = 3072  # KV tokens: idle, it admits 3072 - 512 reserved = 2560 prompt tokens
 BUSY_NEW = 1000
 # Output tokens: RLD decoding them takes seconds (x the policy's margin 1.5, longer than any
 # transfer here: 2 s for a fresh 1000-token prompt) at >= 5 ms a token, 3x this CPU's speed.
@@ -53,6 +56,7 @@ class Setup:
     router: RouterService
     conversation: list[int]  # the prompt of the conversation's next turn
     unguarded: RouterService  # the same servers, --no-relay-guard
+    kv_guarded: RouterService  # P and the MDs, with an RLD of SMALL_RLD_POOL KV tokens
 
     def ask(self, ids: list[int], max_new: int, **extra: object) -> dict:
         sampling = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
@@ -65,8 +69,7 @@ class Setup:
         return got["output_ids"]
 
     def status(self) -> dict:
-        with urllib.request.urlopen(f"{self.router.url}/status", timeout=10) as resp:
-            return json.loads(resp.read())
+        return status_at(self.router.url)
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +100,9 @@ def setup(
         mode="decode",
         extra_args=["--pdd-role", "relay", "--max-running-requests", str(RLD_CAPACITY)],
     )
+    small_relay = SGLangServer("small_relay", tiny_model, free_port(), run_dir, a, mode="decode",
+                               extra_args=["--pdd-role", "relay", "--max-total-tokens",
+                                           str(SMALL_RLD_POOL)])  # fmt: skip
     mains = [
         SGLangServer(f"main{i}", tiny_model, free_port(), run_dir, b, mode="decode",
                      extra_args=["--pdd-role", "main", "--pdd-control-port", str(free_port()),
@@ -113,10 +119,15 @@ def setup(
         extra_args=["--health-interval", str(HEALTH_S), "--ttft-sla", str(TTFT_SLA_S),
                     "--no-relay-guard"],
     )  # fmt: skip
+    kv_guarded = RouterService(
+        "kv_guarded", free_port(), run_dir, [prefill], [small_relay], mains, a,
+        extra_args=["--health-interval", str(HEALTH_S), "--ttft-sla", str(TTFT_SLA_S)],
+    )  # fmt: skip
+    routers = [router, unguarded, kv_guarded]
     try:
         # The routers start once every server is ready.
-        with running([prefill, relay, *mains]), running([router, unguarded], colocated):
-            yield Setup(tb, colocated, mains, router, [], unguarded)
+        with running([prefill, relay, small_relay, *mains]), running(routers, colocated):
+            yield Setup(tb, colocated, mains, router, [], unguarded, kv_guarded)
     finally:
         tb.down()
 
@@ -213,8 +224,7 @@ def plan_beside_a_full_rld(setup: Setup, router: RouterService) -> dict:
 
 
 def relay_load(setup: Setup, router: RouterService) -> int:
-    with urllib.request.urlopen(f"{router.url}/status", timeout=10) as resp:
-        return int(json.loads(resp.read())["instances"]["relay"][0]["reported_load"] or 0)
+    return int(status_at(router.url)["instances"]["relay"][0]["reported_load"] or 0)
 
 
 def test_rld_reports_its_capacity_and_a_full_rld_sends_low_hit_requests_to_md(
@@ -228,6 +238,26 @@ def test_rld_reports_its_capacity_and_a_full_rld_sends_low_hit_requests_to_md(
 def test_without_the_guard_a_full_rld_takes_low_hit_requests_anyway(setup: Setup) -> None:
     meta = plan_beside_a_full_rld(setup, setup.unguarded)
     assert meta["path"] == "P->RLD->MD" and meta["path_reason"].startswith("low hit"), meta
+
+
+def test_a_prompt_beyond_rlds_kv_room_goes_to_md(setup: Setup) -> None:
+    """RLD's pool binds before its request count: the router reads its room from SGLang's own
+    report (pool, committed tokens, the decode reservation) and sends a prompt that would wait
+    for it P->MD; an unguarded RLD would hold it, and MD's feed with it."""
+    url = setup.kv_guarded.url
+    deadline = time.monotonic() + 60
+    while (room := status_at(url)["instances"]["relay"][0]["kv_room"]) is None:
+        assert time.monotonic() < deadline, "RLD never reported its KV"
+        time.sleep(0.2)
+    assert room == SMALL_RLD_POOL - 512, status_at(url)["instances"]["relay"]
+    meta = check_at(setup, setup.kv_guarded, random_ids(room + 40, seed=60), LONG)
+    assert meta["path"] == "P->MD", meta
+    assert meta["path_reason"].startswith(f"RLD's KV full (room for {room} tokens)"), meta
+
+
+def status_at(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/status", timeout=10) as resp:
+        return json.loads(resp.read())
 
 
 def test_a_killed_md_is_avoided_and_no_request_is_lost(setup: Setup) -> None:

@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from pdd.launch.process import free_port
-from pdd.router.server_loads import Load, capacity_reported, requests_reported
+from pdd.router.server_loads import Load, capacity_reported, kv_reported, requests_reported
 from tests.aio_apps import serving
 
 
@@ -90,3 +90,57 @@ def test_the_servers_report_replaces_the_routers_count() -> None:
     # The server is gone: back to this router's own count (2 held).
     asyncio.run(poll())
     assert (load.reported, load.value(0)) == ([None], 2)
+
+
+def test_an_md_server_with_dp_attention_given_whole_is_reported() -> None:
+    """`--main URL` for an MD running DP attention: the router would talk to rank 0 alone while
+    SGLang places requests on any rank. Its /status names the fix; one DP rank given with
+    --main-dp, or a server without DP attention, is no problem."""
+    port = free_port()
+    info_doc = {"internal_states": [{"effective_max_running_requests_per_dp": 4}] * 2,
+                "enable_dp_attention": True, "dp_size": 2}  # fmt: skip
+
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response(info_doc)
+
+    async def loads(request: web.Request) -> web.Response:
+        return web.json_response(answer((0, 0), (0, 0)))
+
+    app = web.Application()
+    app.router.add_get("/v1/loads", loads)
+    app.router.add_get("/server_info", info)
+    url = f"http://127.0.0.1:{port}"
+    whole, one_rank, other_tier = (
+        Load([0], per_dp_rank=True),
+        Load([0], per_dp_rank=True),
+        Load([0]),
+    )
+    one_rank.dp_ranks = [1]
+
+    async def poll() -> None:
+        async with aiohttp.ClientSession() as session:
+            for load in (whole, one_rank, other_tier):
+                await load.poll(session, 0, url, timeout=5.0)
+
+    with serving([(app, port)]):
+        asyncio.run(poll())
+    problem = whole.problems[0]
+    assert problem is not None and f"--main-dp {url} CONTROL_PORT 2" in problem, problem
+    assert whole.capacity == [8] and one_rank.capacity == [4]
+    assert one_rank.problems == [None] and other_tier.problems == [None]
+
+
+def test_kv_room_is_the_pool_less_committed_sent_and_reserved_tokens() -> None:
+    """SGLang's decode side admits a prompt only beside its reservation per active request."""
+    rank = {"num_running_reqs": 1, "num_waiting_reqs": 1, "num_total_tokens": 1000,
+            "max_total_num_tokens": 4096}  # fmt: skip
+    ranks = [{"dp_rank": i, **rank} for i in range(2)]
+    assert kv_reported({"loads": ranks}) == (2000, 8192)
+    assert kv_reported({"loads": ranks}, dp_rank=1) == (1000, 4096)
+    assert kv_reported({"loads": [{**ranks[0], "max_total_num_tokens": 0}]}) is None
+    load = Load([0], reported=[2], kv=[(1000, 4096)], reserve=[512])
+    # 4096 - 1000 committed - 512 x (2 requests + this one)
+    assert load.kv_room(0) == 1560
+    load.hold(0, tokens=300)  # sent after the report: its prompt and its reservation count
+    assert load.kv_room(0) == 1560 - 300 - 512
+    assert Load([0]).kv_room(0) is None  # no report: the request count alone guards

@@ -13,9 +13,10 @@ load and capacity):
 - P->MD whenever its predicted time to first token (P's compute + the uncached suffix's KV
   crossing to MD) meets the TTFT SLA: high-hit requests, whose small suffix crosses quickly;
 - P->RLD->MD otherwise (low hit, or P->MD slow lately: RLD hides the wait, then hands off),
-  unless RLD is full: then P->MD even at a TTFT above the SLA. That guard is what keeps a
-  low-hit burst from overloading RLD, the paper's named collapse; it can be switched off to
-  show that collapse.
+  unless RLD is full (its running requests, or its KV pool: a request RLD cannot admit waits
+  there, and P feeds MD only once RLD has taken the prompt): then P->MD even at a TTFT above
+  the SLA. That guard is what keeps a low-hit burst from overloading RLD, the paper's named
+  collapse; it can be switched off to show that collapse.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class Signals:
     md_available: bool = True
     prefill_s: float | None = None  # P computing the prompt's uncached part; None: unknown
     relay_capacity: int | None = None  # requests the chosen RLD runs at once, as it reports
+    relay_kv_room: int | None = None  # prompt tokens the chosen RLD's KV pool can still admit
     wan_stale: bool = False  # no transfer taught the WAN estimate for a while
     main_extra_s: float = 0.0  # what P->MD first tokens took lately beyond compute + transfer
 
@@ -121,10 +123,12 @@ def auto_path(s: Signals, policy: PathPolicy) -> PathChoice:
     hit = f"{s.md_cached_tokens or 0}/{s.prompt_tokens} tokens cached on MD"
     capacity = policy.relay_max_load if s.relay_capacity is None else s.relay_capacity
     t, d = s.transfer_s, s.relay_decode_s
+    room = s.relay_kv_room
+    fits = room is None or s.prompt_tokens <= room  # else RLD's KV pool would queue it
     short = s.max_new_tokens <= policy.singular_max_new
     if short and t is not None and d is not None and d * policy.margin < t:
         # The KV would cross for nothing: no WAN for answers RLD makes alone.
-        if s.relay_load < policy.relay_only_share * capacity:
+        if fits and s.relay_load < policy.relay_only_share * capacity:
             why = f"singular: RLD finishes in ~{d:.2f}s, before the KV (~{t:.2f}s)"
             if s.wan_stale:
                 # RLD still answers first; MD gets the KV so that the link is measured again.
@@ -136,6 +140,9 @@ def auto_path(s: Signals, policy: PathPolicy) -> PathChoice:
     when = "unknown" if ttft is None else f"~{ttft:.2f}s"
     if policy.guard and s.relay_load >= capacity:
         return PathChoice("main", f"RLD full ({s.relay_load}/{capacity}): {hit}, P->MD at {when}")
+    if policy.guard and room is not None and not fits:
+        why = f"RLD's KV full (room for {max(room, 0)} tokens)"
+        return PathChoice("main", f"{why}: {hit}, P->MD at {when}")
     base = direct_ttft_base(s)
     if base is not None and base <= policy.ttft_sla_s:
         # P and the suffix's KV alone would meet it: what P->MD's first tokens took lately

@@ -74,6 +74,7 @@ class RouterContext:
         for tier in TIERS:
             self.loads.setdefault(tier, Load([0] * len(urls[tier])))
         self.loads["main"].dp_ranks = [t.dp_rank for t in cfg.main]
+        self.loads["main"].per_dp_rank = True
 
     def live_loads(self, tier: str) -> list[int | None]:
         """Each instance's requests (as the server reports them); None for one that is down."""
@@ -99,8 +100,8 @@ class RouterContext:
         slack = self.config.prefix_slack
         return load.advance(pick_by_prefix(loads, prefixes, slack, load.cursor))
 
-    def hold(self, tier: str, i: int) -> None:
-        self.loads[tier].hold(i)
+    def hold(self, tier: str, i: int, tokens: int = 0) -> None:
+        self.loads[tier].hold(i, tokens)
 
     def release(self, tier: str, i: int) -> None:
         self.loads[tier].release(i)

@@ -81,6 +81,7 @@ def plan(ctx: RouterContext, body: dict[str, Any], requested: str | None,
         md_available=main is not None,
         prefill_s=ctx.prefill_speed.prefill_s(max(prompt - p_cached, 0)),
         relay_capacity=None if relay is None else ctx.relay_capacity(relay),
+        relay_kv_room=None if relay is None else ctx.loads["relay"].kv_room(relay),
         wan_stale=main is not None and ctx.wan[main].wants_probe(now),
         main_extra_s=0.0 if main is None else ctx.first_token_residual[main].value(now),
     )

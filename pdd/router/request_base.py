@@ -94,7 +94,8 @@ class RequestBase(ABC):
 
     def _acquire(self, tier: str, i: int | None) -> int:
         assert i is not None, f"the plan has no {tier} instance"
-        self.ctx.hold(tier, i)
+        hashes = self.plan.hashes  # the prompt's tokens take KV on that instance
+        self.ctx.hold(tier, i, 0 if hashes is None else len(hashes.tokens))
         self.held[tier] = i
         return i
 

@@ -55,6 +55,7 @@ def status_body(ctx: RouterContext, uptime_s: float) -> dict[str, Any]:
         load = ctx.loads[tier]
         instances[tier] = [{**asdict(t), "active": load.active[i], "load": load.value(i),
                             "reported_load": load.reported[i], "capacity": load.capacity[i],
+                            "kv_room": load.kv_room(i), "problem": load.problems[i],
                             **health[tier][i]}
                            for i, t in enumerate(targets)]  # fmt: skip
     now = time.monotonic()
