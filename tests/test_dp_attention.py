@@ -5,14 +5,17 @@ models are served with, on the tiny DeepSeek-V3:
   over the two EP ranks;
 - MainDecode at DP 2 x EP 2 behind a TP 1 P and RLD: each DP rank is an MD of its own to the
   router (`--main-dp`), requests pinned to it with SGLang's routed_dp_rank; P->MD and
-  P->RLD->MD (Extend-Decode) equal the colocated server, handoffs land on both ranks, and a
-  session's next turn goes to the rank whose radix cache holds its prefix (cache sync per rank).
+  P->RLD->MD (Extend-Decode and Catch-Up) equal the colocated server, handoffs land on both
+  ranks, a request cut on RLD resumes on a rank of MD, and a session's next turn goes to the
+  rank whose radix cache holds its prefix (cache sync per rank).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,15 +28,19 @@ from pdd.launch.pdd_deploy import DECODE_CACHE_FLAG
 from pdd.launch.process import free_port
 from pdd.launch.router import RouterService
 from pdd.launch.servers import SGLangServer
+from pdd.router.server_loads import dp_attention_size
 from tests.conftest import running
 from tests.test_decode_cache import router_status
 from tests.test_pd_same_dc import random_ids
 from tests.test_router_paths import (
+    CATCHUP_HOLD,
     DIRECT,
     HANDED_OFF,
     HOLD,
     MAX_NEW,
     TEST_CONTROLS,
+    abort_mid_answer,
+    check_resumed,
     sampling,
     states,
     through,
@@ -49,10 +56,12 @@ class Deployment:
     prefill: SGLangServer
     relay: SGLangServer
     main: SGLangServer  # MD at DP 2 x EP 2
-    router: RouterService
+    router: RouterService  # Extend-Decode handoffs
+    catchup: RouterService  # Catch-Up: MD is fed only after RLD streamed 40 tokens
 
     def servers(self) -> list[SGLangServer | RouterService]:
-        return [self.colocated_dp, self.prefill, self.relay, self.main, self.router]
+        return [self.colocated_dp, self.prefill, self.relay, self.main, self.router,
+                self.catchup]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +79,11 @@ def d(mla_model: Path, mla_colocated: SGLangServer,
         prefill=prefill, relay=relay, main=main,
         router=RouterService("router", free_port(), run, [prefill], [relay], [main], path="pdd",
                              extra_args=["--handoff-mode", "extend", *TEST_CONTROLS]),
+        catchup=RouterService(
+            "router_catchup", free_port(), run, [prefill], [relay], [main], path="pdd",
+            extra_args=["--handoff-mode", "catchup", "--catchup-threshold", "8",
+                        "--catchup-chunk", "16", "--md-feed-after-tokens", "40", *TEST_CONTROLS],
+        ),
     )  # fmt: skip
     with running(d.servers(), mla_colocated):
         yield d
@@ -129,6 +143,40 @@ def test_extend_handoff_at_dp2_ep2_equals_colocated_on_both_ranks(
         assert pdd["relay_tokens"] == HOLD and pdd["main_tokens"] == MAX_NEW - HOLD, pdd
         ranks.add(pdd["instances"]["main_dp_rank"])
     assert ranks == {"0", "1"}, "handoffs on both DP ranks"
+
+
+def test_catchup_handoff_at_dp2_ep2_equals_colocated_on_both_ranks(
+    d: Deployment, reference: list[list[int]]
+) -> None:
+    # Held at the 40 tokens the client has when MD is fed: each rank catches up on them in two
+    # 16-token chunks, between its other requests' DP-synced batches, then takes the rest.
+    got = at_once(lambda ids: through(d.catchup, ids, None, hold=CATCHUP_HOLD))
+    ranks = set()
+    for i, g in enumerate(got):
+        pdd = g["meta_info"]["pdd"]
+        assert g["output_ids"] == reference[i], f"prompt {i}: {pdd}"
+        assert pdd["path"] == "P->RLD->MD" and pdd["handoff_mode"] == "catchup", pdd
+        assert pdd["chunks"] == 2 and pdd["relay_tokens"] == CATCHUP_HOLD, pdd
+        assert states(pdd) == HANDED_OFF, pdd
+        ranks.add(pdd["instances"]["main_dp_rank"])
+    assert ranks == {"0", "1"}, "Catch-Up handoffs on both DP ranks"
+
+
+def test_a_request_cut_on_rld_resumes_on_a_dp_rank_of_md(
+    d: Deployment, mla_colocated: SGLangServer
+) -> None:
+    chunk, aborted_at = abort_mid_answer(d.router, d.relay, mla_colocated, "relay", "-r")
+    pdd = chunk["meta_info"]["pdd"]
+    check_resumed(pdd, "relay", aborted_at)
+    assert pdd["instances"]["main_dp_rank"] in ("0", "1"), pdd
+
+
+def test_md_server_info_tells_the_router_its_dp_ranks(d: Deployment) -> None:
+    """What the router reads to catch a DP MD given with --main instead of --main-dp."""
+    with urllib.request.urlopen(f"{d.main.url}/server_info", timeout=30) as resp:
+        assert dp_attention_size(json.loads(resp.read())) == 2
+    main = router_status(d.router.url)["instances"]["main"]
+    assert [m["problem"] for m in main] == [None, None], main
 
 
 def test_next_turn_goes_to_the_dp_rank_holding_its_prefix(d: Deployment) -> None:

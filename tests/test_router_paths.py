@@ -307,27 +307,22 @@ def test_md_not_ready_in_time_leaves_the_request_to_relay(
     assert again["meta_info"]["pdd"]["path"] == "P->RLD->MD"
 
 
-@pytest.mark.parametrize(
-    "path, suffix, label, resumed_on, metric",
-    [("main", "", "P->MD", "RLD", "relay"), ("relay", "-r", "P->RLD", "MD", "main")],
-)
-def test_a_side_failing_mid_answer_is_resumed_on_the_other(
-    deployment: Deployment, path: str, suffix: str, label: str, resumed_on: str, metric: str
-) -> None:
-    """The server streaming to the client aborts the request (as a crash would end it): the
-    other decode tier finishes it from the tokens the client has, and the whole answer equals
-    the colocated server's."""
-    ids, max_new = prompts()[1], 300
+def abort_mid_answer(router: RouterService, server: SGLangServer, colocated: SGLangServer,
+                     path: str, suffix: str, max_new: int = 300) -> tuple[dict, int]:  # fmt: skip
+    """Streams prompts()[1] on `path` and, after 5 tokens, aborts the request on `server` (as
+    a crash would end it). Checks that the client got every token once, in order, and that the
+    whole answer equals `colocated`'s; returns the last chunk and the tokens seen at the abort."""
+    ids = prompts()[1]
     body = {"input_ids": ids, "sampling_params": sampling(max_new=max_new)}
-    expected = generate(deployment.colocated.url, body)["output_ids"]
+    expected = generate(colocated.url, body)["output_ids"]
     req = urllib.request.Request(
-        f"{deployment.router.url}/generate",
+        f"{router.url}/generate",
         json.dumps({**body, "stream": True, "pdd_path": path}).encode(),
         {"Content-Type": "application/json"},
     )
-    server = getattr(deployment, path)  # the tier serving that path alone
     seen: list[int] = []
     aborted_at = None
+    chunk: dict = {}
     with urllib.request.urlopen(req, timeout=300) as resp:
         for raw in resp:
             line = raw.decode().strip()
@@ -344,14 +339,33 @@ def test_a_side_failing_mid_answer_is_resumed_on_the_other(
                     f"{server.url}/abort_request", abort,
                     {"Content-Type": "application/json"}), timeout=30).read()  # fmt: skip
     assert aborted_at is not None and seen == expected
-    pdd = chunk["meta_info"]["pdd"]
+    assert chunk["meta_info"]["finish_reason"]["type"] == "length"
+    return chunk, aborted_at
+
+
+def check_resumed(pdd: dict, path: str, aborted_at: int, max_new: int = 300) -> None:
+    """`pdd` (the meta of a request aborted on `path` after `aborted_at` tokens) says the other
+    decode tier resumed it, with every token counted once."""
+    label, resumed_on = ("P->MD", "RLD") if path == "main" else ("P->RLD", "MD")
     assert pdd["path"] == label and pdd["resumed_on"] == resumed_on, pdd
     first, then = ("main", "relay") if path == "main" else ("relay", "main")
     expected = ["prefill", first, "resume", then, "done"]
     assert [s for s in states(pdd) if s != "transfer"] == expected, pdd
     resumed = pdd["resumed_at"]
     assert resumed >= aborted_at and pdd["relay_tokens"] + pdd["main_tokens"] == max_new, pdd
-    assert chunk["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.parametrize("path, suffix, metric", [("main", "", "relay"), ("relay", "-r", "main")])
+def test_a_side_failing_mid_answer_is_resumed_on_the_other(
+    deployment: Deployment, path: str, suffix: str, metric: str
+) -> None:
+    """The server streaming to the client aborts the request (as a crash would end it): the
+    other decode tier finishes it from the tokens the client has, and the whole answer equals
+    the colocated server's."""
+    server = getattr(deployment, path)  # the tier serving that path alone
+    chunk, aborted_at = abort_mid_answer(deployment.router, server, deployment.colocated,
+                                         path, suffix)  # fmt: skip
+    check_resumed(chunk["meta_info"]["pdd"], path, aborted_at)
     metrics = urllib.request.urlopen(f"{deployment.router.url}/metrics").read().decode()
     assert f'pdd_router_resumes_total{{on="{metric}"}} 1' in metrics
 

@@ -98,7 +98,7 @@ def test_an_md_server_with_dp_attention_given_whole_is_reported() -> None:
     --main-dp, or a server without DP attention, is no problem."""
     port = free_port()
     info_doc = {"internal_states": [{"effective_max_running_requests_per_dp": 4}] * 2,
-                "enable_dp_attention": True, "dp_size": 2}  # fmt: skip
+                "enable_dp_attention": True, "attn_dp_size": 2, "dp_size": 1}  # fmt: skip
 
     async def info(request: web.Request) -> web.Response:
         return web.json_response(info_doc)

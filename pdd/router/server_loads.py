@@ -52,7 +52,8 @@ def dp_attention_size(doc: Any) -> int:
     """The DP ranks of a `/server_info` answer's server when it runs DP attention, else 1."""
     if not doc.get("enable_dp_attention"):
         return 1
-    return int(doc.get("dp_size") or 1)
+    # SGLang resolves `--dp-size N --enable-dp-attention` to attn_dp_size N (and dp_size 1).
+    return int(doc.get("attn_dp_size") or doc.get("dp_size") or 1)
 
 
 def kv_reported(doc: Any, dp_rank: int | None = None) -> tuple[int, int] | None:
