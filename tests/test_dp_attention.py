@@ -6,8 +6,9 @@ models are served with, on the tiny DeepSeek-V3:
 - MainDecode at DP 2 x EP 2 behind a TP 1 P and RLD: each DP rank is an MD of its own to the
   router (`--main-dp`), requests pinned to it with SGLang's routed_dp_rank; P->MD and
   P->RLD->MD (Extend-Decode and Catch-Up) equal the colocated server, handoffs land on both
-  ranks, a request cut on RLD resumes on a rank of MD, and a session's next turn goes to the
-  rank whose radix cache holds its prefix (cache sync per rank).
+  ranks, a request cut on RLD resumes on a rank of MD (and one cut on MD's rank resumes on
+  RLD), and a session's next turn goes to the rank whose radix cache holds its prefix (cache
+  sync per rank).
 """
 
 from __future__ import annotations
@@ -168,6 +169,16 @@ def test_a_request_cut_on_rld_resumes_on_a_dp_rank_of_md(
     chunk, aborted_at = abort_mid_answer(d.router, d.relay, mla_colocated, "relay", "-r")
     pdd = chunk["meta_info"]["pdd"]
     check_resumed(pdd, "relay", aborted_at)
+    assert pdd["instances"]["main_dp_rank"] in ("0", "1"), pdd
+
+
+def test_a_request_cut_on_a_dp_rank_of_md_resumes_on_rld(
+    d: Deployment, mla_colocated: SGLangServer
+) -> None:
+    # The abort goes to MD's server, which passes it to the rank holding the request.
+    chunk, aborted_at = abort_mid_answer(d.router, d.main, mla_colocated, "main", "")
+    pdd = chunk["meta_info"]["pdd"]
+    check_resumed(pdd, "main", aborted_at)
     assert pdd["instances"]["main_dp_rank"] in ("0", "1"), pdd
 
 
