@@ -163,22 +163,16 @@ def test_catchup_handoff_at_dp2_ep2_equals_colocated_on_both_ranks(
     assert ranks == {"0", "1"}, "Catch-Up handoffs on both DP ranks"
 
 
-def test_a_request_cut_on_rld_resumes_on_a_dp_rank_of_md(
-    d: Deployment, mla_colocated: SGLangServer
+@pytest.mark.parametrize("path, suffix", [("relay", "-r"), ("main", "")])
+def test_a_request_cut_on_one_side_resumes_on_the_other_with_a_dp_rank_of_md(
+    d: Deployment, mla_colocated: SGLangServer, path: str, suffix: str
 ) -> None:
-    chunk, aborted_at = abort_mid_answer(d.router, d.relay, mla_colocated, "relay", "-r")
+    # Cut on RLD: MD's rank takes it from the client's tokens. Cut on MD: the abort goes to
+    # MD's server, which passes it to the rank holding the request, and RLD takes it.
+    server = d.relay if path == "relay" else d.main
+    chunk, aborted_at = abort_mid_answer(d.router, server, mla_colocated, path, suffix)
     pdd = chunk["meta_info"]["pdd"]
-    check_resumed(pdd, "relay", aborted_at)
-    assert pdd["instances"]["main_dp_rank"] in ("0", "1"), pdd
-
-
-def test_a_request_cut_on_a_dp_rank_of_md_resumes_on_rld(
-    d: Deployment, mla_colocated: SGLangServer
-) -> None:
-    # The abort goes to MD's server, which passes it to the rank holding the request.
-    chunk, aborted_at = abort_mid_answer(d.router, d.main, mla_colocated, "main", "")
-    pdd = chunk["meta_info"]["pdd"]
-    check_resumed(pdd, "main", aborted_at)
+    check_resumed(pdd, path, aborted_at)
     assert pdd["instances"]["main_dp_rank"] in ("0", "1"), pdd
 
 

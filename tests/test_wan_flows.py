@@ -4,8 +4,13 @@ eval/bench_wan_mooncake.py on the testbed."""
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
+from pdd.srt import wan_transfer
 from pdd.srt.wan_flows import START_FLOWS, FlowChooser, fixed_flows
 from pdd.srt.wan_write import MAX_FLOWS
 
@@ -103,3 +108,26 @@ def test_the_rtt_is_read_at_the_first_writes_end_and_the_second_write_teaches() 
         chooser.end(write, WRITE, ok=True)
         assert chooser.status()[PEER]["rtt_s"] == link.rtt_s  # not RTT_EVERY_S later
     assert chooser.begin(PEER).flows == 1
+
+
+def test_transfer_threads_starting_at_once_share_one_chooser(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SGLang's transfer threads make their first KV writes together: each must get the same
+    chooser, or a write begun on a replaced one ends on another that never saw its peer."""
+    monkeypatch.setattr(wan_transfer, "_chooser", None)
+
+    def slow_flows() -> int | None:
+        time.sleep(0.05)  # widens the window between the check and the assignment
+        return None
+
+    monkeypatch.setattr(wan_transfer, "flows", slow_flows)
+    start = threading.Barrier(8)
+
+    def first_write(_: int) -> FlowChooser:
+        start.wait()
+        return wan_transfer.chooser()
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(first_write, range(8)))
+    assert len({id(c) for c in got}) == 1

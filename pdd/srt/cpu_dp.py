@@ -17,6 +17,10 @@ SGLang 0.5.23's CPU engine starts with DP attention but fails on the first batch
   The MoE sum is linear in the choices, so it runs once per choice column, a -1 given weight 0 on
   a local expert: this rank adds nothing for it, the rank holding it adds its share in the
   reduction.
+And the DP controller, the process that hands each request to its DP rank, polls its socket in
+a loop that never waits: a whole core per server, which on a testbed of two cores starves the
+schedulers. On CPU it waits on the socket (feeding its soft watchdog each second) and then
+dispatches what came, as SGLang's loop does.
 Nothing here runs when torch sees a GPU.
 """
 
@@ -32,6 +36,7 @@ from pdd.srt.cpu_support import has_gpu
 from pdd.srt.hooks import Hook
 
 PADDING_SEQ_LEN = 1
+DP_CONTROLLER_POLL_MS = 1000  # the DP controller's longest wait: its soft watchdog is fed then
 
 
 def _after_backend_init(result: None, backend: Any, *args: Any, **kwargs: Any) -> None:
@@ -77,6 +82,25 @@ def _around_can_use_lm_head_all_to_all(original: Callable[..., bool], *args: Any
     return False if not has_gpu() else original(*args)
 
 
+def _around_dp_controller_loop(original: Callable[..., None], controller: Any) -> None:
+    if has_gpu():
+        return original(controller)
+    import zmq
+    from sglang.srt.managers.data_parallel_controller import sock_recv
+
+    sock = controller.recv_from_tokenizer
+    while True:
+        controller.soft_watchdog.feed()
+        if not sock.poll(DP_CONTROLLER_POLL_MS, zmq.POLLIN):
+            continue
+        while True:
+            try:
+                request = sock_recv(sock, flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                break
+            controller._request_dispatcher(request)
+
+
 HOOKS = (
     Hook("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.__init__",
          _after_backend_init, HookType.AFTER, "(self, model_runner)"),
@@ -87,4 +111,6 @@ HOOKS = (
     Hook("sglang.srt.layers.logits_processor.LogitsProcessor._can_use_tp_lm_head_all_to_all",
          _around_can_use_lm_head_all_to_all, HookType.AROUND,
          "(self, logits, local_hidden_states, lm_head, logits_metadata)"),
+    Hook("sglang.srt.managers.data_parallel_controller.DataParallelController.event_loop",
+         _around_dp_controller_loop, HookType.AROUND, "(self)"),
 )  # fmt: skip

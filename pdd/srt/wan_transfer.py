@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,14 +60,18 @@ def flows() -> int | None:
 
 
 _chooser: FlowChooser | None = None
+_chooser_lock = threading.Lock()
 
 
 def chooser() -> FlowChooser:
-    """This process's flow chooser, made at its first KV write."""
+    """This process's flow chooser, made at its first KV write. Under a lock: SGLang's transfer
+    threads make their first writes at once, and a second chooser replacing the first would
+    lose the writes begun on it (their `end` found no peer and killed P's transfer thread)."""
     global _chooser
-    if _chooser is None:
-        _chooser = FlowChooser(flows())
-    return _chooser
+    with _chooser_lock:
+        if _chooser is None:
+            _chooser = FlowChooser(flows())
+        return _chooser
 
 
 def adjust_wan_args(args: argparse.Namespace) -> None:
@@ -125,12 +130,13 @@ def _around_batch_transfer_sync(
     if not buffers or not tcp_transport():
         return int(original(engine, session, buffers, peer_addresses, lengths))
     blocks: list[Block] = list(zip(buffers, peer_addresses, lengths, strict=True))
-    started = chooser().begin(session)
+    flows = chooser()
+    started = flows.begin(session)
     rc = -1
     try:
         rc = write(engine.engine, session, blocks, started.flows)
     finally:
-        chooser().end(started, sum(lengths), rc == 0)
+        flows.end(started, sum(lengths), rc == 0)
     return rc
 
 
