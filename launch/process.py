@@ -23,21 +23,33 @@ FATAL_LOG_MARKERS = ("error while attempting to bind on address",)  # uvicorn, o
 # below the kernel's ephemeral range (32768+), so neither can take one between our pick and the
 # server's bind.
 PORT_RANGE = range(30000, 32700)
+# A server with DP attention binds its internal sockets at its HTTP port + 233 (the torch
+# rendezvous) and the 6 ports after it (SGLang's ZMQ_TCP_PORT_DELTA): its port is handed out
+# with these, or a port handed out to another server may be one of them.
+DP_ATTENTION_PORTS = range(233, 240)
 _handed_out: set[int] = set()
 
 
-def free_port() -> int:
+def free_port(derived: range = range(0)) -> int:
+    """A port no server of this process was given and nothing binds now; with `derived`
+    offsets, those ports above it as well (all handed out together)."""
     for port in random.sample(PORT_RANGE, 64):
-        if port in _handed_out:
+        ports = [port, *(port + d for d in derived)]
+        if any(p in _handed_out or p not in PORT_RANGE for p in ports):
             continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
+        if all(_bindable(p) for p in ports):
+            _handed_out.update(ports)
+            return port
     raise RuntimeError(f"no free port in {PORT_RANGE.start}-{PORT_RANGE.stop - 1}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 def exit_on_sigterm() -> None:

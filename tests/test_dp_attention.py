@@ -26,7 +26,7 @@ import pytest
 
 from pdd.launch.pd_local import generate
 from pdd.launch.pdd_deploy import DECODE_CACHE_FLAG
-from pdd.launch.process import free_port
+from pdd.launch.process import DP_ATTENTION_PORTS, free_port
 from pdd.launch.router import RouterService
 from pdd.launch.servers import SGLangServer
 from pdd.router.server_loads import dp_attention_size
@@ -72,11 +72,12 @@ def d(mla_model: Path, mla_colocated: SGLangServer,
     prefill = SGLangServer("prefill", mla_model, free_port(), run, mode="prefill",
                            bootstrap_port=free_port())  # fmt: skip
     relay = SGLangServer("relay", mla_model, free_port(), run, mode="decode")
-    main = SGLangServer("main", mla_model, free_port(), run, mode="decode",
+    main = SGLangServer("main", mla_model, free_port(DP_ATTENTION_PORTS), run, mode="decode",
                         extra_args=[*DP_EP, "--pdd-role", "main", "--pdd-control-port",
                                     str(free_port()), DECODE_CACHE_FLAG])  # fmt: skip
     d = Deployment(
-        colocated_dp=SGLangServer("colocated_dp", mla_model, free_port(), run, extra_args=DP_EP),
+        colocated_dp=SGLangServer("colocated_dp", mla_model, free_port(DP_ATTENTION_PORTS), run,
+                                  extra_args=DP_EP),
         prefill=prefill, relay=relay, main=main,
         router=RouterService("router", free_port(), run, [prefill], [relay], [main], path="pdd",
                              extra_args=["--handoff-mode", "extend", *TEST_CONTROLS]),

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pdd.launch.process import ManagedProcess, free_port
+from pdd.launch import process
+from pdd.launch.process import DP_ATTENTION_PORTS, PORT_RANGE, ManagedProcess, free_port
 from pdd.launch.servers import LOCAL, PORT_RACE_RETRIES, HttpService, Placement
 
 # Counts its starts in a file; fails the first `fails` of them with `message`, then serves /health.
@@ -78,3 +79,26 @@ def test_any_other_start_failure_is_not_retried(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="bad model"):
         service.wait_ready(timeout=60)
     assert starts(tmp_path) == 1
+
+
+def test_a_dp_attention_servers_derived_ports_are_never_handed_to_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SGLang with DP attention binds its HTTP port + 233..239: a port handed out later must
+    not be one of them, nor a port whose block would cover one handed out before."""
+    port = free_port(DP_ATTENTION_PORTS)
+    taken = [port + d for d in DP_ATTENTION_PORTS]
+
+    def usable(p: int, derived: range) -> bool:  # as free_port would find it, on this machine
+        ports = [p, *(p + d for d in derived)]
+        return all(q in PORT_RANGE and q not in process._handed_out and process._bindable(q)
+                   for q in ports)  # fmt: skip
+
+    away = [p for p in PORT_RANGE if abs(p - port) > 300]
+    later = next(p for p in away if usable(p, DP_ATTENTION_PORTS))
+    other = next(p for p in reversed(away) if abs(p - later) > 300 and usable(p, range(0)))
+    monkeypatch.setattr(process.random, "sample", lambda *_: [*taken, other])
+    assert free_port() == other  # every port of the block was skipped
+    # `port - 1` is free itself, but its block (port + 232..238) covers ports handed out.
+    monkeypatch.setattr(process.random, "sample", lambda *_: [port - 1, later])
+    assert free_port(DP_ATTENTION_PORTS) == later
