@@ -130,13 +130,13 @@ def _around_batch_transfer_sync(
     if not buffers or not tcp_transport():
         return int(original(engine, session, buffers, peer_addresses, lengths))
     blocks: list[Block] = list(zip(buffers, peer_addresses, lengths, strict=True))
-    flows = chooser()
-    started = flows.begin(session)
+    flow_chooser = chooser()
+    started = flow_chooser.begin(session)
     rc = -1
     try:
         rc = write(engine.engine, session, blocks, started.flows)
     finally:
-        flows.end(started, sum(lengths), rc == 0)
+        flow_chooser.end(started, sum(lengths), rc == 0)
     return rc
 
 
