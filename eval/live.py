@@ -190,11 +190,15 @@ def router_status(url: str) -> dict:
 
 
 def served_capacity(url: str, timeout_s: float = 30.0) -> dict[str, int | None]:
-    """Requests RLD and MD run at once, as the router learnt them from the servers."""
+    """Requests RLD and MD run at once, RLD's KV pool and the tokens it reserves per request
+    (what its admission and the router's guard count), as the router learnt them from the
+    servers."""
     deadline = time.monotonic() + timeout_s
     while True:
         inst = router_status(url)["instances"]
         got = {tier: inst[tier][0]["capacity"] for tier in ("relay", "main")}
+        relay = inst["relay"][0]
+        got["relay_kv_pool"], got["relay_kv_reserve"] = relay["kv_pool"], relay["kv_reserve"]
         if all(v is not None for v in got.values()) or time.monotonic() > deadline:
             return got
         time.sleep(0.5)
@@ -366,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                 pdd.up()
                 group_routers(deps, pdd, args.route_ttft, routers)
                 capacity[group] = served_capacity(pdd.url)
-                print(f"[{group}] requests each decoder runs at once: {capacity[group]}",
+                print(f"[{group}] decoders (requests at once, RLD's KV): {capacity[group]}",
                       flush=True)  # fmt: skip
                 for pace in paces:
                     for dep in deps:

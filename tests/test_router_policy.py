@@ -249,7 +249,9 @@ def test_a_prompt_beyond_rlds_kv_room_goes_to_md(setup: Setup) -> None:
     while (room := status_at(url)["instances"]["relay"][0]["kv_room"]) is None:
         assert time.monotonic() < deadline, "RLD never reported its KV"
         time.sleep(0.2)
-    assert room == SMALL_RLD_POOL - 512, status_at(url)["instances"]["relay"]
+    relay = status_at(url)["instances"]["relay"][0]
+    assert room == SMALL_RLD_POOL - 512, relay
+    assert (relay["kv_pool"], relay["kv_reserve"]) == (SMALL_RLD_POOL, 512), relay
     meta = check_at(setup, setup.kv_guarded, random_ids(room + 40, seed=60), LONG)
     assert meta["path"] == "P->MD", meta
     assert meta["path_reason"].startswith(f"RLD's KV full (room for {room} tokens)"), meta

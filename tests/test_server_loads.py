@@ -144,3 +144,4 @@ def test_kv_room_is_the_pool_less_committed_sent_and_reserved_tokens() -> None:
     load.hold(0, tokens=300)  # sent after the report: its prompt and its reservation count
     assert load.kv_room(0) == 1560 - 300 - 512
     assert Load([0]).kv_room(0) is None  # no report: the request count alone guards
+    assert (load.kv_pool(0), Load([0]).kv_pool(0)) == (4096, None)

@@ -243,6 +243,30 @@ def test_paths_follow_auto_path() -> None:
     assert [r.path for r in busy] == ["pdd", "main"], [r.reason for r in busy]
 
 
+def test_rld_guard_reads_rlds_kv_room_as_the_router_does() -> None:
+    # An RLD whose KV pool holds 2000 tokens: room for a 1000-token prompt beside SGLang's
+    # 512-token reservation (2000 - 512 = 1488). The second of two low-hit requests arriving
+    # together finds 2000 - (1000 + 512) sent - 512 = -24: it goes P->MD, as live.
+    pool = replace(tier(), costs=replace(COSTS, kv_capacity_tokens=2000))
+    pair = [SimRequest(200.0, 1000, 0, 2000), SimRequest(200.0, 1000, 0, 2000)]
+    out = simulate(pair, toy("pdd", relay=pool)).results
+    assert [r.path for r in out] == ["pdd", "main"], [r.reason for r in out]
+    assert "RLD's KV full (room for 0 tokens)" in out[1].reason
+    # Once the first has left RLD (handed off to MD), its KV is free again: a later low-hit
+    # request is relayed.
+    later = simulate([*pair, SimRequest(400.0, 1000, 0, 2000)], toy("pdd", relay=pool)).results
+    assert later[2].path == "pdd", later[2].reason
+    # RLD holds a prompt and the reservation, not the whole answer: a 1400-token prompt with a
+    # 2000-token answer fits a pool of 2000 (1400 + 512 <= 2000).
+    alone = simulate([SimRequest(0.0, 1400, 0, 2000)], toy("pdd", relay=pool)).results[0]
+    assert alone.path == "pdd" and alone.tokens["RLD"] > 0, alone
+    # Without SGLang's reservation, a pool of 1000 takes the 1000-token prompt.
+    tight = replace(tier(), costs=replace(COSTS, kv_capacity_tokens=1000))
+    bare = toy("pdd", relay=tight, decode_reserve_tokens=0)
+    assert simulate(pair[:1], bare).results[0].path == "pdd"
+    assert simulate(pair[:1], toy("pdd", relay=tight)).results[0].path == "main"
+
+
 def test_router_sees_cached_prefixes_in_blocks() -> None:
     # MD holds 137 of 141 tokens, but the router's view (MD's cache sync) is whole 16-token
     # blocks: 128, so it predicts 13 tokens' KV crossing (13 ms), plus P's 4 ms: ~0.02 s
@@ -604,6 +628,15 @@ def test_md_hits_and_the_live_path_policy() -> None:
     doc["args"] = {**doc["args"], "singular_max_new": "16"}  # type: ignore[dict-item]
     cfg = calib.testbed_config("PDD", f, model, link, doc)
     assert cfg.path_policy.singular_max_new == 16
+    # RLD's KV pool and reservation as the run recorded them (its router's view); a run that
+    # predates them has an RLD without a KV bound.
+    assert cfg.relay is not None and cfg.relay.costs is not None
+    assert cfg.relay.costs.kv_capacity_tokens == StepCosts.kv_capacity_tokens
+    doc["capacity"] = {"relay": 2, "main": 16, "relay_kv_pool": 4096, "relay_kv_reserve": 512}
+    cfg = calib.testbed_config("PDD", f, model, link, doc)
+    assert cfg.relay is not None and cfg.relay.costs is not None
+    assert (cfg.relay.max_batch, cfg.relay.costs.kv_capacity_tokens) == (2, 4096)
+    assert (cfg.main.max_batch, cfg.decode_reserve_tokens) == (16, 512)
 
 
 def _group(t0: float, k: int, prompt: int, out: int, tpot: float) -> list[dict[str, object]]:

@@ -19,7 +19,7 @@ import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -131,13 +131,17 @@ def testbed_config(name: str, f: Fit, model: Model, link: Link,
                    live: Mapping[str, Any] | None = None) -> ClusterConfig:  # fmt: skip
     """The testbed for live deployment `name`: 1 P and 1 MD (same-DC: D), plus 1 RLD for PDD,
     costing what `f` says, with the live run's decode slots (each server's max running
-    requests), handoff mode and the first-token target its router routed by."""
+    requests), RLD's KV pool and reservation (what RLD admits and the router's guard reads),
+    handoff mode and the first-token target its router routed by."""
     live = live or {}
     kind, mode, group = KINDS[name]
     cap = live.get("capacity_by_group", {}).get(group) or live.get("capacity", {})
     p = Tier(CHIP_A, 1, 1, costs=f.prefill_costs(model))
     d = Tier(CHIP_A, 1, 1, int(cap.get("main", 128)), costs=f.decode_costs(model))
-    relay = Tier(CHIP_A, 1, 1, int(cap.get("relay", 128)), costs=f.decode_costs(model))
+    relay_costs = f.decode_costs(model)
+    if cap.get("relay_kv_pool"):  # runs before RLD's pool was recorded: unbounded
+        relay_costs = replace(relay_costs, kv_capacity_tokens=int(cap["relay_kv_pool"]))
+    relay = Tier(CHIP_A, 1, 1, int(cap.get("relay", 128)), costs=relay_costs)
     args = live.get("args", {})
     route = float(args.get("route_ttft", live_sla(live).ttft_s))
     # A run that does not record the router's --singular-max-new predates it (4d1ec30): its
@@ -152,6 +156,7 @@ def testbed_config(name: str, f: Fit, model: Model, link: Link,
         rdma_latency_s=0.0, md_bootstrap_s=f.wan.bootstrap_s if f.wan is not None else 0.0,
         shared_host_s=f.prefill.shared_host_s,
         first_token_extra="first_token_extra_s" in estimates, warm_estimates=False,
+        decode_reserve_tokens=int(cap.get("relay_kv_reserve") or 0),
     )  # fmt: skip
 
 

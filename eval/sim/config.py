@@ -85,6 +85,10 @@ class ClusterConfig:
     # cache sync, --pdd-cache-block's default; its P index): its transfer and compute estimates
     # count a partial block as uncached.
     cache_block: int = 16
+    # SGLang's decode side admits a request when its prompt fits in the KV pool beside this many
+    # tokens for each request it holds (`num_reserved_decode_tokens`): RLD's slots hold their
+    # prompt plus this, and the router's RLD guard sends P->MD a prompt that does not fit.
+    decode_reserve_tokens: int = 512
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -96,8 +100,8 @@ class ClusterConfig:
             raise ValueError("pdd needs at least one RLD instance")
         if min(self.md_bootstrap_s, self.per_request_s, self.shared_host_s) < 0:
             raise ValueError("need md_bootstrap_s, per_request_s and shared_host_s >= 0")
-        if self.cache_block < 1:
-            raise ValueError("cache_block must be >= 1")
+        if self.cache_block < 1 or self.decode_reserve_tokens < 0:
+            raise ValueError("need cache_block >= 1 and decode_reserve_tokens >= 0")
 
     @property
     def tiers(self) -> dict[str, Tier]:

@@ -58,8 +58,9 @@ class RouterView:
         """A cached prefix as the router sees it: whole blocks (`ClusterConfig.cache_block`)."""
         return cached // self.cfg.cache_block * self.cfg.cache_block
 
-    def choose(self, req: SimRequest, md_hit: int, md: int, rld: int,
-               prefill_s: float | None, now: float) -> tuple[PathChoice, float | None]:  # fmt: skip
+    def choose(self, req: SimRequest, md_hit: int, md: int, rld: int, prefill_s: float | None,
+               now: float, relay_kv_room: int | None = None,
+               ) -> tuple[PathChoice, float | None]:  # fmt: skip
         """The path for a request (auto, as the router decides it) and P->MD's predicted first
         token from compute and transfer alone (what its residual is measured against)."""
         cfg, wan = self.cfg, self.wan[md]
@@ -74,6 +75,7 @@ class RouterView:
             relay_load=self.load["RLD"][rld],
             prefill_s=prefill_s,
             relay_capacity=cfg.relay.max_batch if cfg.relay is not None else None,
+            relay_kv_room=relay_kv_room,
             wan_stale=wan.wants_probe(now),
             main_extra_s=extra,
         )

@@ -25,9 +25,11 @@ What is modelled:
   whose input is its last handed-over token (MD recomputes the others). A request is admitted
   when a slot (`max_batch`) and KV memory for its prompt and output are free, else it waits (a
   cached prefix counts too: each agent session's context is its own, not shared between
-  requests). KV that lands during a forward is taken in when it ends (SGLang's loop polls
-  transfers between forwards: MD's READY leaves then). A request's first token is streamed
-  when it joins a step (after the one running).
+  requests); on RLD, as on SGLang's decode side, its prompt and `decode_reserve_tokens`. The
+  router's RLD guard reads RLD's room as the live router does (free KV less what it sent RLD
+  meanwhile): a prompt that does not fit goes P->MD. KV that lands during a forward is taken
+  in when it ends (SGLang's loop polls transfers between forwards: MD's READY leaves then). A
+  request's first token is streamed when it joins a step (after the one running).
 - The WAN shares its line max-min fairly between concurrent KV transfers, each capped at the
   TCP flow rate, or with `Link.ramp_flows` at a rate that ramps from idle as TCP's does (the
   testbed's); every message also takes one sampled one-way delay. Control messages (READY,
@@ -90,6 +92,9 @@ class Simulation:
         if c.kind == "pdd" and c.relay is not None:
             rc = c.step_costs(c.relay)
             self.rld = [Decode(self.clock, rc, c.relay.max_batch) for _ in range(c.relay.instances)]
+        # KV the router sent each RLD that RLD has not been asked to hold yet (P still computing
+        # it): the live router adds the prompts sent since RLD's last report to it the same way.
+        self.relay_sent = [0] * len(self.rld)
         self.wan = Wan(self.clock, self.rng, c.link)
         counts = {"P": len(self.p), "RLD": len(self.rld), "MD": len(self.md)}
         relay_step = self.rld[0].costs.decode_step_s(1, 0) if self.rld else None
@@ -127,8 +132,9 @@ class Simulation:
             st.rld = router.pick("RLD")
             true_s = self.p[st.p].costs.prefill_s(*prefill_job(req))
             prefill = router.prefill_s(req.prompt_tokens - router.seen(req.cached_tokens), true_s)
+            room = self.relay_kv_room(st.rld)
             choice, st.direct_base_s = router.choose(req, st.md_hit, st.md, st.rld, prefill,
-                                                     self.clock.now)  # fmt: skip
+                                                     self.clock.now, room)  # fmt: skip
             st.path, st.reason = choice.path, choice.reason
         else:
             st.path, st.reason = "main", cfg.kind
@@ -139,6 +145,8 @@ class Simulation:
         for tier, i in (("RLD", st.rld), ("MD", st.md)):
             if i is not None:
                 self.load[tier][i] += 1
+        if st.rld is not None:
+            self.relay_sent[st.rld] += self.relay_reserve(req)
         if st.path == "main" and cfg.kind != "same-dc" and cfg.md_bootstrap_s > 0:
             # SGLang's P takes a request into its queue once its decode side bootstrapped.
             self.clock.at(self.clock.now + cfg.md_bootstrap_s, self.p[st.p].submit, st)
@@ -184,16 +192,30 @@ class Simulation:
 
     # -- RLD
 
+    def relay_reserve(self, req: SimRequest) -> int:
+        """KV tokens RLD's admission holds for a request: its prompt and SGLang's reservation."""
+        return req.prompt_tokens + self.cfg.decode_reserve_tokens
+
+    def relay_kv_room(self, rld: int | None) -> int | None:
+        """Prompt tokens RLD `rld` could still take in, as the live router's guard counts them
+        (`server_loads.Load.kv_room`): its free KV less what was sent to it meanwhile and the
+        new request's own reservation."""
+        if rld is None:
+            return None
+        free = self.rld[rld].free_kv() - self.relay_sent[rld]
+        return free - self.cfg.decode_reserve_tokens
+
     def _to_relay(self, st: RequestState) -> None:
         """P answers (the KV is on RLD): the router learns P's speed from it."""
         req = st.req
+        assert st.rld is not None
+        self.relay_sent[st.rld] -= self.relay_reserve(req)
         st.relay_answered_s = self.clock.now
         self.router.prefill_speed.observe(req.prompt_tokens - req.cached_tokens,
                                           self.clock.now - req.arrival_s)  # fmt: skip
         if st.finished or st.relay_stopped:
             return
-        assert st.rld is not None
-        slot = Slot(st, req.prompt_tokens + req.output_tokens, req.output_tokens,
+        slot = Slot(st, self.relay_reserve(req), req.output_tokens,
                     self._relay_admitted, self._relay_finished,
                     lambda s: self._first_token(s.st))  # fmt: skip
         st.rld_slot = slot

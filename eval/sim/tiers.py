@@ -199,6 +199,11 @@ class Decode:
             return slot.visible0 if slot.admitted else 0
         return slot.visible0 + self.steps - slot.joined
 
+    def free_kv(self) -> int:
+        """KV tokens neither held by an admitted request nor asked for by a waiting one."""
+        waiting = sum(s.reserve for s in self.waiting if s.active)
+        return self.costs.kv_capacity_tokens - self.reserved - waiting
+
     def request(self, slot: Slot) -> None:
         if slot.reserve > self.costs.kv_capacity_tokens:
             raise ValueError(

@@ -133,6 +133,11 @@ class Load:
         committed, pool = kv
         return pool - committed - self.tokens_since[i] - self.reserve[i] * (self.value(i) + 1)
 
+    def kv_pool(self, i: int) -> int | None:
+        """Instance `i`'s KV pool in tokens, as it last reported it."""
+        kv = self.kv[i]
+        return None if kv is None else kv[1]
+
     def hold(self, i: int, tokens: int = 0) -> None:
         self.active[i] += 1
         self.sent_since[i] += 1

@@ -55,7 +55,8 @@ def status_body(ctx: RouterContext, uptime_s: float) -> dict[str, Any]:
         load = ctx.loads[tier]
         instances[tier] = [{**asdict(t), "active": load.active[i], "load": load.value(i),
                             "reported_load": load.reported[i], "capacity": load.capacity[i],
-                            "kv_room": load.kv_room(i), "problem": load.problems[i],
+                            "kv_room": load.kv_room(i), "kv_pool": load.kv_pool(i),
+                            "kv_reserve": load.reserve[i], "problem": load.problems[i],
                             **health[tier][i]}
                            for i, t in enumerate(targets)]  # fmt: skip
     now = time.monotonic()
