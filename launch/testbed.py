@@ -64,7 +64,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pdd.launch import netns, tunnel
+from pdd.launch import netns, testbed_lock, tunnel
 from pdd.launch.cli import command_parser
 from pdd.launch.servers import Placement
 from pdd.launch.wan import LinkParams, WanClient, WanError
@@ -247,7 +247,10 @@ class Testbed:
 
     # Life cycle.
     def up(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Bring the testbed up; this process holds its name until `down` or exit
+        (`testbed_lock`)."""
         require_root()
+        testbed_lock.hold(self.name)
         left = [n for n in (self.ns("a"), self.ns("b")) if netns.exists(n)]
         if left or daemon_pids(self.socket_path):
             raise RuntimeError(f"testbed {self.name} is already up or left over: run down first")
@@ -327,8 +330,16 @@ class Testbed:
             return "(no log)"
 
     def down(self) -> list[str]:
-        """Remove everything of this testbed, by name; returns what was removed."""
+        """Remove everything of this testbed, by name; returns what was removed. Refused while
+        another process holds the name (`testbed_lock`): its servers would go down with it."""
         require_root()
+        testbed_lock.hold(self.name)
+        try:
+            return self._remove()
+        finally:
+            testbed_lock.release(self.name)
+
+    def _remove(self) -> list[str]:
         removed = []
         daemons = daemon_pids(self.socket_path)
         terminate(daemons)
