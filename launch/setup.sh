@@ -15,10 +15,11 @@ log() { printf '[setup] %s\n' "$*"; }
 
 # pip, minus the "Location ... is ignored" warnings some machines' pip configs print per package.
 # No wheel cache: the CPU stack is ~7.5 GB installed, and a cached copy of every wheel would
-# nearly double what a fresh machine's disk must hold.
+# nearly double what a fresh machine's disk must hold. No bytecode compiled at install: that is
+# every module of torch and its peers, most never imported; Python compiles what it imports.
 pip_install() {
   local out rc=0
-  out=$("$VENV/bin/pip" --disable-pip-version-check --no-cache-dir -q install "$@" 2>&1) || rc=$?
+  out=$("$VENV/bin/pip" --disable-pip-version-check --no-cache-dir -q install --no-compile "$@" 2>&1) || rc=$?
   printf '%s\n' "$out" | grep -v "^WARNING: Location '" || true
   return "$rc"
 }
