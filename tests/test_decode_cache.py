@@ -73,9 +73,12 @@ class Setup:
 
 @pytest.fixture(scope="module")
 def setup(wide_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    # A deep drop-tail queue (4 s of link time), as WAN routers have: when KV fills the link,
-    # what else crosses A -> B waits seconds behind it (the saturation test).
-    tb = Testbed("pdddrc", LinkParams(200.0, 20.0, queue_ms=4000.0), net="10.223")
+    # A deep drop-tail queue (6 s of link time), as WAN routers have: when KV fills the link,
+    # what else crosses A -> B waits seconds behind it (the saturation test). Deep enough that
+    # the queue stays above SGLang's 3 s heartbeat read timeout after TCP backs off (a CUBIC
+    # flow keeps 0.7 of its window: >= 4.2 s queued), so every heartbeat while KV fills the link
+    # misses, whatever the phase of TCP's sawtooth (with 4 s a repeat run saw none miss twice).
+    tb = Testbed("pdddrc", LinkParams(200.0, 20.0, queue_ms=6000.0), net="10.223")
     tb.down()
     tb.up()
     run_dir = tmp_path_factory.mktemp("decode_cache")
