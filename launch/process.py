@@ -43,6 +43,16 @@ def free_port(derived: range = range(0)) -> int:
     raise RuntimeError(f"no free port in {PORT_RANGE.start}-{PORT_RANGE.stop - 1}")
 
 
+def check_reserved(port: int, derived: range) -> None:
+    """A port this process handed out must have come with the `derived` ports its server will
+    bind too (`free_port(derived)`): otherwise one of them may be another server's port."""
+    if port in _handed_out and any(port + d not in _handed_out for d in derived):
+        raise ValueError(
+            f"port {port} was handed out without the ports its server derives from it "
+            f"(+{derived.start}..{derived.stop - 1}): take it from free_port({derived!r})"
+        )
+
+
 def _bindable(port: int) -> bool:
     with socket.socket() as sock:
         try:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdd.control.secret import ENV_SECRET, is_loopback, write_secret
-from pdd.launch.process import ManagedProcess
+from pdd.launch.process import DP_ATTENTION_PORTS, ManagedProcess, check_reserved
 from pdd.srt.cpu_support import has_gpu
 
 # The KV pool of a CPU server otherwise takes ~15 GB of RAM.
@@ -152,6 +152,8 @@ class SGLangServer(HttpService):
         return info
 
     def start(self) -> None:
+        if "--enable-dp-attention" in self.extra_args:
+            check_reserved(self.port, DP_ATTENTION_PORTS)
         # Mooncake advertises SGLANG_HOST_IP to its peers; without it SGLang guesses from the
         # NICs, which may not be the address this server was asked to serve on.
         self.launch(self.argv(), {**device_env(), "SGLANG_HOST_IP": self.host, **self.env})

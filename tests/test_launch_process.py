@@ -11,8 +11,14 @@ from pathlib import Path
 import pytest
 
 from pdd.launch import process
-from pdd.launch.process import DP_ATTENTION_PORTS, PORT_RANGE, ManagedProcess, free_port
-from pdd.launch.servers import LOCAL, PORT_RACE_RETRIES, HttpService, Placement
+from pdd.launch.process import (
+    DP_ATTENTION_PORTS,
+    PORT_RANGE,
+    ManagedProcess,
+    check_reserved,
+    free_port,
+)
+from pdd.launch.servers import LOCAL, PORT_RACE_RETRIES, HttpService, Placement, SGLangServer
 
 # Counts its starts in a file; fails the first `fails` of them with `message`, then serves /health.
 SERVER = """
@@ -102,3 +108,17 @@ def test_a_dp_attention_servers_derived_ports_are_never_handed_to_another(
     # `port - 1` is free itself, but its block (port + 232..238) covers ports handed out.
     monkeypatch.setattr(process.random, "sample", lambda *_: [port - 1, later])
     assert free_port(DP_ATTENTION_PORTS) == later
+
+
+def test_a_dp_attention_server_refuses_a_port_handed_out_without_its_block(
+    tmp_path: Path,
+) -> None:
+    """A new test that forgets `free_port(DP_ATTENTION_PORTS)` fails at once, naming the fix,
+    rather than now and then when another server's port falls in its block."""
+    dp = ["--dp-size", "2", "--enable-dp-attention"]
+    server = SGLangServer("dp", tmp_path, free_port(), tmp_path, extra_args=dp)
+    with pytest.raises(ValueError, match=r"take it from free_port\(range\(233, 240\)\)"):
+        server.start()
+    assert server.process is None  # nothing was started
+    check_reserved(free_port(DP_ATTENTION_PORTS), DP_ATTENTION_PORTS)  # reserved: accepted
+    check_reserved(PORT_RANGE.stop, DP_ATTENTION_PORTS)  # a port chosen elsewhere: not ours
