@@ -23,6 +23,8 @@ from pdd.eval.live_plan import (
 from pdd.eval.live_report import compare_line, differences, meets, report, sla_goodput
 from pdd.eval.report import Record, Run, Sla
 from pdd.eval.workload import TraceRequest, hit_rate_summary
+from pdd.launch.pdd_deploy import RELAY_FRACTION, relay_capacity_args
+from pdd.launch.servers import flag_value
 from tests.marks import needs_root
 
 
@@ -153,10 +155,16 @@ def test_a_short_live_run_reports_all_five_deployments(tiny_model: Path, tmp_pat
         assert {r["path"] for r in runs[name]} <= {"P->RLD", "P->MD", "P->RLD->MD"}
     assert data["compare"][-1].startswith("pdd md share ")
     assert data["pool"]["tokens"] >= 2 * data["pool"]["working_set_tokens"]
-    # PDD's RLD is an eighth of MD, as the servers themselves report; same-DC PD's decoder is
-    # as large as MD.
-    assert data["capacity"] == {"relay": 8, "main": 64}, data["capacity_by_group"]
-    assert data["capacity_by_group"]["same-dc"] == {"relay": 64, "main": 64}
+    # PDD's RLD is an eighth of MD, as the servers themselves report (requests, and KV pool
+    # beside SGLang's decode reservation: what sim --calibrate sizes its RLD by); same-DC PD's
+    # decoder is as large as MD.
+    pool = data["pool"]["tokens"]
+    rld_args = list(relay_capacity_args(("--max-total-tokens", str(pool)), RELAY_FRACTION))
+    rld_pool = int(flag_value(rld_args, "--max-total-tokens") or 0)
+    reserve = {"relay_kv_reserve": 512}  # SGLang's num_reserved_decode_tokens
+    pdd, same = data["capacity"], data["capacity_by_group"]["same-dc"]
+    assert pdd == {"relay": 8, "main": 64, "relay_kv_pool": rld_pool, **reserve}, pdd
+    assert same == {"relay": 64, "main": 64, "relay_kv_pool": pool, **reserve}, same
     # The router's estimates after each pass are in the report; P -> MD taught it the KV size.
     learnt = data["router_estimates"]["naive cross-DC PD"]["wan"]
     assert learnt["kv_bytes_per_token"] == 1024, learnt  # tiny model, float32
