@@ -39,6 +39,12 @@ MAX_NEW = 48
 TOLERANCE = 0.05
 SATURATED_MBIT = 2.0  # the link while KV saturates it: 30 s of KV is ~120 tokens' worth
 SATURATE_S = 30.0
+# One-way delay added while KV saturates the link. How long KV keeps the queue full varies with
+# how the sender's writes and TCP's backoff line up, so a heartbeat's wait behind it alone may or
+# may not pass SGLang's 3 s read timeout (repeat runs saw both). 2 s each way on top makes every
+# heartbeat's round trip longer than that, so SGLang's heartbeats miss, twice in a row within
+# the 30 s, in every run, while the KV keeps arriving.
+FAR_MS = 2000.0
 
 pytestmark = needs_root
 
@@ -73,12 +79,9 @@ class Setup:
 
 @pytest.fixture(scope="module")
 def setup(wide_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    # A deep drop-tail queue (6 s of link time), as WAN routers have: when KV fills the link,
-    # what else crosses A -> B waits seconds behind it (the saturation test). Deep enough that
-    # the queue stays above SGLang's 3 s heartbeat read timeout after TCP backs off (a CUBIC
-    # flow keeps 0.7 of its window: >= 4.2 s queued), so every heartbeat while KV fills the link
-    # misses, whatever the phase of TCP's sawtooth (with 4 s a repeat run saw none miss twice).
-    tb = Testbed("pdddrc", LinkParams(200.0, 20.0, queue_ms=6000.0), net="10.223")
+    # A deep drop-tail queue (4 s of link time), as WAN routers have: when KV fills the link,
+    # what else crosses A -> B waits seconds behind it (the saturation test).
+    tb = Testbed("pdddrc", LinkParams(200.0, 20.0, queue_ms=4000.0), net="10.223")
     tb.down()
     tb.up()
     run_dir = tmp_path_factory.mktemp("decode_cache")
@@ -167,10 +170,10 @@ def router_status(url: str) -> dict:
 
 
 def test_a_link_full_of_kv_never_marks_md_down(setup: Setup) -> None:
-    """KV saturates the WAN for ~30 s. The router's /ping to MD, and MD's SGLang heartbeat to P's
-    bootstrap server, wait in the link's queue behind it and time out; MD's cache-sync answers
-    keep MD up at the router, the KV still arriving keeps P alive at MD: MD is never marked down,
-    the control plane's round trip stays bounded and MD decodes the whole answer."""
+    """KV saturates a long-haul WAN (2 s more each way) for ~30 s. The router's /ping to MD, and
+    MD's SGLang heartbeat to P's bootstrap server, wait behind it and time out; MD's cache-sync
+    answers keep MD up at the router, the KV still arriving keeps P alive at MD: MD is never
+    marked down, the control plane's round trip stays bounded and MD decodes the whole answer."""
     rate = SATURATED_MBIT * 1e6 / 8
     tokens = int(rate * SATURATE_S / setup.kv_per_token)
     assert setup.pdd.main.process is not None
@@ -186,6 +189,7 @@ def test_a_link_full_of_kv_never_marks_md_down(setup: Setup) -> None:
             samples.append(router_status(setup.pdd.url))
 
     setup.tb.set_rate(SATURATED_MBIT)
+    setup.tb.add_delay(FAR_MS)
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     start = time.monotonic()
