@@ -23,6 +23,9 @@ FATAL_LOG_MARKERS = ("error while attempting to bind on address",)  # uvicorn, o
 # below the kernel's ephemeral range (32768+), so neither can take one between our pick and the
 # server's bind.
 PORT_RANGE = range(30000, 32700)
+# Runs sharing a machine (parallel test workers) each take a disjoint part of it, "LO-HI": a
+# port is checked free by binding it, and its server binds it seconds later.
+PORT_RANGE_ENV = "PDD_PORT_RANGE"
 # A server with DP attention binds its internal sockets at its HTTP port + 233 (the torch
 # rendezvous) and the 6 ports after it (SGLang's ZMQ_TCP_PORT_DELTA): its port is handed out
 # with these, or a port handed out to another server may be one of them.
@@ -33,14 +36,32 @@ _handed_out: set[int] = set()
 def free_port(derived: range = range(0)) -> int:
     """A port no server of this process was given and nothing binds now; with `derived`
     offsets, those ports above it as well (all handed out together)."""
-    for port in random.sample(PORT_RANGE, 64):
+    ours = port_range()
+    for port in random.sample(ours, min(64, len(ours))):
         ports = [port, *(port + d for d in derived)]
-        if any(p in _handed_out or p not in PORT_RANGE for p in ports):
+        if any(p in _handed_out or p not in ours for p in ports):
             continue
         if all(_bindable(p) for p in ports):
             _handed_out.update(ports)
             return port
-    raise RuntimeError(f"no free port in {PORT_RANGE.start}-{PORT_RANGE.stop - 1}")
+    raise RuntimeError(f"no free port in {ours.start}-{ours.stop - 1}")
+
+
+def port_range() -> range:
+    """The ports this process hands out: PORT_RANGE, or the part of it PDD_PORT_RANGE names."""
+    given = os.environ.get(PORT_RANGE_ENV)
+    if not given:
+        return PORT_RANGE
+    lo, _, hi = given.partition("-")
+    try:
+        ours = range(int(lo), int(hi) + 1)
+    except ValueError:
+        raise ValueError(f"{PORT_RANGE_ENV}={given!r}: expected LO-HI, e.g. 30000-31349") from None
+    if not ours or ours.start < PORT_RANGE.start or ours.stop > PORT_RANGE.stop:
+        raise ValueError(
+            f"{PORT_RANGE_ENV}={given!r}: must lie within {PORT_RANGE.start}-{PORT_RANGE.stop - 1}"
+        )
+    return ours
 
 
 def check_reserved(port: int, derived: range) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdd.control.secret import ENV_SECRET, is_loopback, write_secret
-from pdd.launch.process import DP_ATTENTION_PORTS, ManagedProcess, check_reserved
+from pdd.launch.process import DP_ATTENTION_PORTS, ManagedProcess, check_reserved, free_port
 from pdd.srt.cpu_support import has_gpu
 
 # The KV pool of a CPU server otherwise takes ~15 GB of RAM.
@@ -170,6 +170,9 @@ class PDRouter(HttpService):
     decode: list[SGLangServer]
     placement: Placement = LOCAL
     process: ManagedProcess | None = None
+    # Its Prometheus exporter binds 0.0.0.0:29000 unless told: a second router on the machine
+    # would die at start-up ("Address already in use").
+    metrics_port: int = field(default_factory=free_port)
 
     def argv(self) -> list[str]:
         argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
@@ -177,7 +180,9 @@ class PDRouter(HttpService):
             argv += ["--prefill", p.url, str(p.bootstrap_port)]
         for d in self.decode:
             argv += ["--decode", d.url]
-        return [*self.placement.prefix, *argv, "--host", self.host, "--port", str(self.port)]
+        metrics = ["--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port)]
+        return [*self.placement.prefix, *argv, "--host", self.host, "--port", str(self.port),
+                *metrics]  # fmt: skip
 
     def start(self) -> None:
         self.launch(self.argv())

@@ -11,7 +11,7 @@ from typing import Protocol
 import pytest
 
 from pdd.launch.pd_local import LocalPD, format_seconds
-from pdd.launch.process import free_port, stop_groups
+from pdd.launch.process import PORT_RANGE, PORT_RANGE_ENV, free_port, stop_groups
 from pdd.launch.router import RouterService
 from pdd.launch.servers import DTYPE_ENV, HttpService, SGLangServer
 
@@ -22,6 +22,38 @@ os.environ.setdefault(DTYPE_ENV, "float32")
 # per core each (torch's default) every OpenMP barrier of one server waits on a core another
 # server holds (a live run measured MD's steps 2.5-3.5x slower that way).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _worker_ports() -> None:
+    """Parallel workers (`pytest -n N`) hand out ports from disjoint parts of the range, so two
+    workers' servers never get one port (each checks a port free by binding it, and its server
+    binds it seconds later). Set before any port is handed out, inherited by subprocesses."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...
+    if not worker:
+        return
+    k, count = int(worker.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    part = len(PORT_RANGE) // count
+    start = PORT_RANGE.start + k * part
+    os.environ[PORT_RANGE_ENV] = f"{start}-{start + part - 1}"
+
+
+_worker_ports()
+
+# The modules that take longest (setup and calls, measured on a 2-core machine), longest first.
+# Parallel workers take modules in collection order (run.sh: --no-loadscope-reorder), so the
+# long ones start early rather than one of them running on alone at the end.
+SLOW_FIRST = [
+    "test_eval_live", "test_faults", "test_router_paths", "test_main_decode", "test_decode_cache",
+    "test_plugin_flags", "test_dp_attention", "test_multi_router", "test_tp", "test_pdd_core",
+    "test_handoff_kernel", "test_hostile_input", "test_router_policy", "test_testbed",
+    "test_router_openai", "test_cross_dc_pd", "test_pd_same_dc", "test_router_hold",
+    "test_launch_pd_local",
+]  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: order within kept
 
 
 @pytest.fixture(scope="session")

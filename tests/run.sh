@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
 # The test command: set up (idempotent), then run the whole suite against real SGLang servers.
 # Extra arguments go to pytest. Exits non-zero if any test fails or if no test ran.
+# Modules run on PDD_TEST_WORKERS parallel workers (default 2; 1: none), a module's tests all on
+# one worker, so its servers are started once: the suite mostly waits on servers and emulated
+# links, and one worker left a core idle a third of the time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PDD_SKIP_SMOLLM2=1 bash launch/setup.sh
 export PDD_TINY_MODEL="$PWD/models/tiny"
 export PDD_WIDE_MODEL="$PWD/models/wide"
 export PDD_MLA_MODEL="$PWD/models/mla"
+workers=${PDD_TEST_WORKERS:-2}
+parallel=()
+if [ "$workers" != 1 ]; then
+  parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+fi
 set +e
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest "${parallel[@]}" "$@"
 code=$?
 set -e
 if [ "$code" = 5 ]; then

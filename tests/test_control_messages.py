@@ -150,6 +150,7 @@ GOOD_BODY = {"rid": "r1", "done": 3}
         (b"\xc1", "msgpack"),  # a byte msgpack never uses
         (encode(Ack("r1", 5)) + b"\x00", "trailing bytes"),
     ],
+    ids=lambda v: v if isinstance(v, str) else "msg",  # stable ids: the bytes carry a timestamp
 )  # fmt: skip
 def test_rejections(data: bytes, reason: str) -> None:
     with pytest.raises(ControlError, match=reason):

@@ -14,9 +14,11 @@ from pdd.launch import process
 from pdd.launch.process import (
     DP_ATTENTION_PORTS,
     PORT_RANGE,
+    PORT_RANGE_ENV,
     ManagedProcess,
     check_reserved,
     free_port,
+    port_range,
 )
 from pdd.launch.servers import LOCAL, PORT_RACE_RETRIES, HttpService, Placement, SGLangServer
 
@@ -97,10 +99,10 @@ def test_a_dp_attention_servers_derived_ports_are_never_handed_to_another(
 
     def usable(p: int, derived: range) -> bool:  # as free_port would find it, on this machine
         ports = [p, *(p + d for d in derived)]
-        return all(q in PORT_RANGE and q not in process._handed_out and process._bindable(q)
+        return all(q in port_range() and q not in process._handed_out and process._bindable(q)
                    for q in ports)  # fmt: skip
 
-    away = [p for p in PORT_RANGE if abs(p - port) > 300]
+    away = [p for p in port_range() if abs(p - port) > 300]
     later = next(p for p in away if usable(p, DP_ATTENTION_PORTS))
     other = next(p for p in reversed(away) if abs(p - later) > 300 and usable(p, range(0)))
     monkeypatch.setattr(process.random, "sample", lambda *_: [*taken, other])
@@ -122,3 +124,17 @@ def test_a_dp_attention_server_refuses_a_port_handed_out_without_its_block(
     assert server.process is None  # nothing was started
     check_reserved(free_port(DP_ATTENTION_PORTS), DP_ATTENTION_PORTS)  # reserved: accepted
     check_reserved(PORT_RANGE.stop, DP_ATTENTION_PORTS)  # a port chosen elsewhere: not ours
+
+
+def test_port_range_env_gives_each_run_its_own_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs on one machine (parallel test workers) hand out ports from disjoint parts."""
+    monkeypatch.setattr(process, "_handed_out", set())
+    monkeypatch.setenv(PORT_RANGE_ENV, "31000-31099")
+    ports = [free_port() for _ in range(20)]
+    assert all(31000 <= p <= 31099 for p in ports) and len(set(ports)) == 20
+    for bad, why in [("31000", "expected LO-HI"), ("x-y", "expected LO-HI"),
+                     ("29000-29999", "must lie within 30000-32699"),
+                     ("31099-31000", "must lie within")]:  # fmt: skip
+        monkeypatch.setenv(PORT_RANGE_ENV, bad)
+        with pytest.raises(ValueError, match=why):
+            free_port()

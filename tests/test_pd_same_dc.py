@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from pdd.eval import prompts as prompts_lib
-from pdd.launch.pd_local import LocalPD, generate
-from pdd.launch.servers import SGLangServer
+from pdd.launch.pd_local import LocalPD, generate, wait_serving
+from pdd.launch.process import free_port
+from pdd.launch.servers import PDRouter, SGLangServer
 from pdd.models.tiny import VOCAB_SIZE
+from tests.conftest import running
 
 MAX_NEW_TOKENS = 24
 # Lengths 8..1000; the last two extend the 1000-token prompt, so they hit the prefix cache.
@@ -85,3 +88,19 @@ def test_every_server_runs_in_float32(colocated_and_pd: tuple[SGLangServer, Loca
     for server in (colocated, pd.prefill, pd.decode):
         dtype = server.server_info()["dtype"]
         assert dtype == "float32", (server.name, dtype)
+
+
+def test_a_second_sglang_router_on_the_machine_serves_too(
+    colocated_and_pd: tuple[SGLangServer, LocalPD], reference: dict[int, dict], tmp_path: Path
+) -> None:
+    """SGLang's router binds a Prometheus exporter (0.0.0.0:29000 unless told): each of ours
+    gets a port of its own, so a second deployment on the machine (or a parallel test worker's)
+    starts instead of dying with "Address already in use"."""
+    _, pd = colocated_and_pd
+    second = PDRouter("router2", free_port(), tmp_path, [pd.prefill], [pd.decode])
+    assert second.metrics_port != pd.router.metrics_port
+    with running([second]):
+        wait_serving(second.url, 60)  # it answers /health before it has registered P and D
+        assert pd.router.process is not None and not pd.router.process.exited()
+        got = greedy(second.url, prompts()[1])
+        assert got["output_ids"] == reference[1]["output_ids"]

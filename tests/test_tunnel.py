@@ -31,7 +31,7 @@ def tunnelled() -> Iterator[Testbed]:
     why = tunnel.missing()
     if why is not None:
         pytest.fail(f"the tunnel test needs WireGuard, which launch/setup.sh installs: {why}")
-    tb = Testbed("pddtun", LinkParams(200.0, 5.0), net="10.213", tunnel=True)
+    tb = Testbed("pddtun", LinkParams(200.0, 5.0), net="10.245", tunnel=True)
     tb.down()
     tb.up()
     try:
