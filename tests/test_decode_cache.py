@@ -30,6 +30,8 @@ from pdd.launch.servers import SGLangServer
 from pdd.launch.testbed import Testbed
 from pdd.launch.wan import LinkParams
 from pdd.models.kv import kv_bytes_per_token
+from pdd.router.config import RouterConfig
+from pdd.router.md_caches import SILENT_INTERVALS
 from tests.marks import needs_root
 
 BLOCK = 16  # tokens per block of the router's mirror of MD's cache
@@ -217,8 +219,9 @@ def test_a_link_full_of_kv_never_marks_md_down(setup: Setup) -> None:
     # The link's queue did hold /ping back, long enough for two failed checks to mark MD down
     # had a timeout counted as a failure ...
     assert slow >= 2, mains[-1]
-    # ... while MD's answers on the control plane kept coming within the heard window.
-    assert reply_p99 < 10.0, p99s
+    # ... while MD's answers on the control plane kept coming within the heard window (what
+    # keeps MD up; on a loaded machine they take longer, and that is the only bound that matters).
+    assert reply_p99 < SILENT_INTERVALS * RouterConfig.cache_sync_interval_s, p99s
     # MD's heartbeats to P's bootstrap missed too (SGLang would have failed the transfer), and
     # were forgiven because P's KV kept arriving.
     with open(md_log, "rb") as log:
