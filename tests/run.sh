@@ -3,9 +3,8 @@
 # Extra arguments go to pytest. Exits non-zero if any test fails or if no test ran.
 # PDD_TEST_WORKERS=N runs modules on N parallel workers, a module's tests all on one worker, so
 # its servers start once (the suite mostly waits on servers and emulated links: one worker left
-# a core idle a third of the time). Default 1: on two cores, three timing checks (the emulated
-# link's RTT, the cache-sync reply bound under a saturated link) still fail under the other
-# worker's load.
+# a core idle a third of the time). Default 1: on two cores, two checks of the emulated link's
+# round trip (test_testbed) still fail under the other worker's load.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PDD_SKIP_SMOLLM2=1 bash launch/setup.sh
