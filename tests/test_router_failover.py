@@ -1,6 +1,6 @@
-"""A P that dies mid-prefill costs no request while another P is up, and every 503 says when to
-come back. The real router runs in-process in front of fake upstreams: P0 drops each connection
-it gets (a server killed mid-request), P1 and RLD answer."""
+"""A P that dies mid-prefill, or an MD that is gone, costs no request while another of its tier is
+up, and every 503 says when to come back. The real router runs in-process in front of fake
+upstreams: P0 drops each connection it gets (a server killed mid-request), P1 and RLD answer."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from aiohttp import web
 
 from pdd.launch.process import free_port
 from pdd.router.app import make_app
-from pdd.router.config import PrefillTarget, RelayTarget, RouterConfig
+from pdd.router.config import MainTarget, PrefillTarget, RelayTarget, RouterConfig, Timeouts
 from tests.aio_apps import ok_routes, serving, stream_answer
 
 TOKENS = [10, 11, 12, 13]
@@ -90,6 +90,51 @@ def test_a_request_whose_p_dies_is_prefilled_again_on_another_p() -> None:
         with urllib.request.urlopen(f"{url['router']}/metrics", timeout=10) as r:
             metrics = r.read().decode()
         assert f'errors_total{{kind="retried"}} {len(got["p0"])}' in metrics, metrics
+
+
+def fake_main(got: list[str]) -> web.Application:
+    async def generate(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        got.append(body["rid"])
+        outputs = [{"output_ids": TOKENS[:i]} for i in range(1, len(TOKENS) + 1)]
+        return await stream_answer(request, body["rid"], outputs)
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    ok_routes(app)
+    return app
+
+
+def test_a_p_to_md_request_whose_md_is_gone_is_planned_again_on_another_md() -> None:
+    """Not resumed on RLD: RLD, a small tier, would decode the whole answer."""
+    names = ("p", "relay", "md0", "md1", "router")
+    ports = {name: free_port() for name in names}
+    url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+    config = RouterConfig(
+        prefill=(PrefillTarget(url["p"], free_port()),), relay=(RelayTarget(url["relay"]),),
+        main=(MainTarget(url["md0"], free_port()), MainTarget(url["md1"], free_port())),
+        path="main", port=ports["router"], timeouts=Timeouts(ready=1.0),
+    )  # fmt: skip
+    done: set[str] = set()
+    got: dict[str, list[str]] = {"p": [], "md1": []}
+    apps = [  # nothing listens on MD0's port: a killed server
+        (fake_prefill(False, got["p"], done), ports["p"]),
+        (fake_relay(done), ports["relay"]),
+        (fake_main(got["md1"]), ports["md1"]),
+        (make_app(config), ports["router"]),
+    ]
+    with serving(apps):
+        for _ in range(3):  # MD0 is first in turn for the first or the second
+            status, _, answer = post(url["router"], {"input_ids": [1, 2, 3]})
+            assert status == 200, answer
+            assert answer["output_ids"] == TOKENS
+            meta = answer["meta_info"]["pdd"]
+            assert (meta["path"], meta["resumed_on"]) == ("P->MD", None), meta
+            assert meta["instances"]["main"] == url["md1"], meta
+        with urllib.request.urlopen(f"{url['router']}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+    assert 'errors_total{kind="retried"} 1' in metrics, metrics
+    assert len(got["md1"]) == 3
 
 
 def test_every_503_carries_retry_after() -> None:

@@ -150,7 +150,7 @@ async def _serve_once(
         ctx.metrics.inc("errors_total", kind="no_instance")
         return _error(formatter, 503, f"no instance available: {err}")
     req = PddRequest(ctx, parsed.body, where, disconnected=lambda: _disconnected(request),
-                     hold_relay=parsed.hold_relay)  # fmt: skip
+                     hold_relay=parsed.hold_relay, may_retry=may_retry)  # fmt: skip
     ctx.metrics.active += 1
     response: web.StreamResponse | None = None
     outputs = req.outputs()

@@ -44,6 +44,7 @@ class RequestBase(ABC):
         plan: Plan,
         disconnected: Callable[[], bool] = lambda: False,
         hold_relay: int | None = None,
+        may_retry: bool = False,
     ) -> None:
         choice = plan.choice
         self.plan = plan
@@ -76,6 +77,7 @@ class RequestBase(ABC):
         self.main_rid = self.rid
         self.released: set[str] = set()
         self.lost_instance = False  # an instance it held went away (see _upstream_failed)
+        self.may_retry = may_retry  # the router may plan it again (pdd.router.app)
         # A test control (pdd.router.hold): only a handoff path has a point to fix.
         self.hold = RelayHold(hold_relay) if hold_relay and self.path == "pdd" else None
         self.answer: dict[str, Any] | None = None  # P -> MD: MD's last chunk, awaiting READY

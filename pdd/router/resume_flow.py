@@ -22,9 +22,16 @@ class ResumeFlow(RequestBase):
         """MD failed while it fed the client (after the handoff, or on P->MD): RLD finishes the
         request if it can, else the client gets the reason."""
         self.ctx.metrics.inc("errors_total", kind="main")
+        if self.lost_instance and self.sent_outputs == 0 and self.may_retry and self._md_left():
+            # A dead MD before the client got anything: planned again, another MD decodes it
+            # (RLD, a small tier, would decode the whole answer).
+            return self._fail(reason, status)
         if 400 <= status < 500 or not self._resume("relay", reason):
             return self._fail(reason, status)
         return []
+
+    def _md_left(self) -> bool:
+        return any(load is not None for load in self.ctx.live_loads("main"))
 
     def _resume(self, tier: str, reason: str) -> bool:
         """The tier that fed the client failed: P prefills the prompt and the client's tokens
