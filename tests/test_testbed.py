@@ -29,6 +29,7 @@ from pdd.launch import netns
 from pdd.launch.testbed import RUN_ROOT, Testbed, daemon_pids, scaled_window_mb
 from pdd.launch.testbed import main as cli_main
 from pdd.launch.wan import LinkModel, LinkParams
+from pdd.launch.wan_forwarder import RT_PRIORITY
 from tests.marks import needs_root
 
 RATE_MBIT = 200.0
@@ -53,6 +54,17 @@ def socket_in(tb: Testbed, side: str, kind: int = socket.SOCK_STREAM) -> socket.
 
 
 @contextmanager
+def real_time() -> Iterator[None]:
+    """The calling thread at real-time priority, as the WAN daemon runs: an echo measures the
+    link, not how long this process waited for a core behind a server under test."""
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(RT_PRIORITY))
+    try:
+        yield
+    finally:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+
+
+@contextmanager
 def udp_echo(tb: Testbed, client_side: str | None = "a") -> Iterator[Callable[..., float | None]]:
     """An echo server on B's WAN address; yields a probe: one round trip in ms, None if lost.
 
@@ -64,12 +76,13 @@ def udp_echo(tb: Testbed, client_side: str | None = "a") -> Iterator[Callable[..
     stop = threading.Event()
 
     def serve() -> None:
-        while not stop.is_set():
-            try:
-                data, peer = server.recvfrom(2048)
-            except TimeoutError:
-                continue
-            server.sendto(data, peer)
+        with real_time():
+            while not stop.is_set():
+                try:
+                    data, peer = server.recvfrom(2048)
+                except TimeoutError:
+                    continue
+                server.sendto(data, peer)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -81,15 +94,16 @@ def udp_echo(tb: Testbed, client_side: str | None = "a") -> Iterator[Callable[..
 
     def probe(timeout: float = 1.0) -> float | None:
         token = random.randbytes(8)
-        start = time.monotonic()
-        client.send(token)
-        while (left := start + timeout - time.monotonic()) > 0:
-            client.settimeout(left)
-            try:
-                if client.recv(2048) == token:
-                    return (time.monotonic() - start) * 1000
-            except TimeoutError:
-                break
+        with real_time():
+            start = time.monotonic()
+            client.send(token)
+            while (left := start + timeout - time.monotonic()) > 0:
+                client.settimeout(left)
+                try:
+                    if client.recv(2048) == token:
+                        return (time.monotonic() - start) * 1000
+                except TimeoutError:
+                    break
         return None
 
     try:
