@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
 # The test command: set up (idempotent), then run the whole suite against real SGLang servers.
 # Extra arguments go to pytest. Exits non-zero if any test fails or if no test ran.
-# PDD_TEST_WORKERS=N runs modules on N parallel workers, a module's tests all on one worker, so
-# its servers start once (the suite mostly waits on servers and emulated links: one worker left
-# a core idle a third of the time). Default 1: on two cores, two checks of the emulated link's
-# round trip (test_testbed) still fail under the other worker's load.
+# PDD_TEST_WORKERS=N runs modules on N parallel workers (default 2), a module's tests all on one
+# worker, so its servers start once (the suite mostly waits on servers and emulated links: one
+# worker left a core idle a third of the time). PDD_TEST_WORKERS=1 runs it serially.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PDD_SKIP_SMOLLM2=1 bash launch/setup.sh
 export PDD_TINY_MODEL="$PWD/models/tiny"
 export PDD_WIDE_MODEL="$PWD/models/wide"
 export PDD_MLA_MODEL="$PWD/models/mla"
-workers=${PDD_TEST_WORKERS:-1}
+workers=${PDD_TEST_WORKERS:-2}
 parallel=()
 if [ "$workers" != 1 ]; then
   parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
