@@ -39,13 +39,16 @@ def fake_prefill(dies: bool, got: list[str], done: set[str]) -> web.Application:
     return app
 
 
-def fake_relay(done: set[str]) -> web.Application:
-    """Decodes only once a P has sent the request's KV, as a real RLD."""
+def fake_decoder(done: set[str], got: list[str] | None = None) -> web.Application:
+    """RLD or MD: decodes only once a P has sent the request's KV, as a real one; the rids it
+    served go to `got`."""
 
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         while body["rid"].rsplit("-", 1)[0] not in done:
             await asyncio.sleep(0.01)
+        if got is not None:
+            got.append(body["rid"])
         outputs = [{"output_ids": TOKENS[:i]} for i in range(1, len(TOKENS) + 1)]
         return await stream_answer(request, body["rid"], outputs)
 
@@ -78,7 +81,7 @@ def test_a_request_whose_p_dies_is_prefilled_again_on_another_p() -> None:
     apps = [
         (fake_prefill(True, got["p0"], done), ports["p0"]),
         (fake_prefill(False, got["p1"], done), ports["p1"]),
-        (fake_relay(done), ports["relay"]),
+        (fake_decoder(done), ports["relay"]),
         (make_app(config), ports["router"]),
     ]
     with serving(apps):
@@ -90,19 +93,6 @@ def test_a_request_whose_p_dies_is_prefilled_again_on_another_p() -> None:
         with urllib.request.urlopen(f"{url['router']}/metrics", timeout=10) as r:
             metrics = r.read().decode()
         assert f'errors_total{{kind="retried"}} {len(got["p0"])}' in metrics, metrics
-
-
-def fake_main(got: list[str]) -> web.Application:
-    async def generate(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        got.append(body["rid"])
-        outputs = [{"output_ids": TOKENS[:i]} for i in range(1, len(TOKENS) + 1)]
-        return await stream_answer(request, body["rid"], outputs)
-
-    app = web.Application()
-    app.router.add_post("/generate", generate)
-    ok_routes(app)
-    return app
 
 
 def test_a_p_to_md_request_whose_md_is_gone_is_planned_again_on_another_md() -> None:
@@ -119,8 +109,8 @@ def test_a_p_to_md_request_whose_md_is_gone_is_planned_again_on_another_md() -> 
     got: dict[str, list[str]] = {"p": [], "md1": []}
     apps = [  # nothing listens on MD0's port: a killed server
         (fake_prefill(False, got["p"], done), ports["p"]),
-        (fake_relay(done), ports["relay"]),
-        (fake_main(got["md1"]), ports["md1"]),
+        (fake_decoder(done), ports["relay"]),
+        (fake_decoder(done, got["md1"]), ports["md1"]),
         (make_app(config), ports["router"]),
     ]
     with serving(apps):
@@ -145,7 +135,7 @@ def test_every_503_carries_retry_after() -> None:
         relay=(RelayTarget(f"http://127.0.0.1:{ports['relay']}"),), path="relay",
         port=ports["router"],
     )  # fmt: skip
-    with serving([(fake_relay(set()), ports["relay"]), (make_app(config), ports["router"])]):
+    with serving([(fake_decoder(set()), ports["relay"]), (make_app(config), ports["router"])]):
         status, headers, answer = post(f"http://127.0.0.1:{ports['router']}",
                                        {"input_ids": [1, 2, 3]})  # fmt: skip
     assert status == 503, answer
