@@ -342,12 +342,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", required=True, help="DaemonConfig as JSON")
     config = DaemonConfig.from_json(parser.parse_args(argv).config)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    priority = raise_priority()
     state = LinkState(config.link)
     backend: Backend = (TunForwarder if config.backend == "tun" else NetemShaper)(config, state)
     daemon = Daemon(config, state, backend)
     readers: dict[int, Callable[[float], None]] = {}
     ControlServer(Path(config.socket_path), daemon.handle, readers)
-    priority = raise_priority()
     print(f"WAN daemon {os.getpid()} ({config.backend}, {priority}) ready: {config.to_json()}",
           flush=True)  # fmt: skip
     try:
