@@ -85,10 +85,12 @@ fi
 
 # Models, built offline (deterministic; rebuilt only when missing).
 mkdir -p models
-[ -f models/tiny/config.json ] || "$VENV/bin/python" -m pdd.models tiny --out models/tiny
-[ -f models/wide/config.json ] || "$VENV/bin/python" -m pdd.models wide --out models/wide
-[ -f models/mla/config.json ] || "$VENV/bin/python" -m pdd.models mla --out models/mla
-if [ "${PDD_SKIP_SMOLLM2:-0}" != 1 ] && [ ! -f models/smollm2/config.json ]; then
-  "$VENV/bin/python" -m pdd.models smollm2 --out models/smollm2
-fi
+wanted=(tiny wide mla)
+[ "${PDD_SKIP_SMOLLM2:-0}" = 1 ] || wanted+=(smollm2)
+missing=()
+for name in "${wanted[@]}"; do
+  [ -f "models/$name/config.json" ] || missing+=("$name")
+done
+# One process for all of them: importing torch and transformers once saves ~10 s a model.
+[ ${#missing[@]} = 0 ] || "$VENV/bin/python" -m pdd.models "${missing[@]}" --into models
 log "ready: $VENV ($DEVICE), models/tiny, models/wide, models/mla$([ -f models/smollm2/config.json ] && echo ', models/smollm2')"
