@@ -70,7 +70,7 @@ class Deployment:
     name: str
     decode_cache: bool  # MD keeps a radix tree of the KV it holds
     path: str | None  # the path every request asks for; None: the router's auto policy
-    group: str  # deployments of one group share one set of servers (each its own router)
+    group: str  # deployments of one group share one set of servers (routers too, if alike)
     relay_fraction: float = RELAY_FRACTION  # RLD's capacity / MD's
     handoff_mode: str | None = None  # the router's --handoff-mode; None: its default
     relay_guard: bool = True  # off: low-hit requests queue on a full RLD (the collapse)
@@ -83,8 +83,10 @@ class Deployment:
 
 
 DEPLOYMENTS = [
+    # Naive cross-DC PD runs on same-DC PD's servers (MD without the decode cache): one uses P and
+    # the MD-sized decoder in A, the other P and MD; each pass starts with every cache flushed.
     Deployment("same-DC PD", False, "relay", "same-dc", relay_fraction=1.0),
-    Deployment("naive cross-DC PD", False, "main", "naive"),
+    Deployment("naive cross-DC PD", False, "main", "same-dc", relay_fraction=1.0),
     Deployment("cross-DC PD + decode cache", True, "main", "pdd", handoff_mode="extend"),
     Deployment("PDD", True, None, "pdd", handoff_mode="extend"),
     Deployment("PDD catch-up", True, None, "pdd", handoff_mode="catchup"),

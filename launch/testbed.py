@@ -32,10 +32,11 @@ work to deliver each packet into the far namespace): 20-35% of a core at 200 Mbi
 9000, ~75% at MTU 1500; ~75% at 1 Gbit/s (MTU 9000), ~26% at MTU 65000; ~90% at 2 Gbit/s, near
 its ceiling. Keep the MTU large (default 9000) so the packet rate stays low. Rates come out
 within ~1% (TCP goodput 198-199 of 200 Mbit/s); a packet is released within ~0.2 ms of its time
-(RTT 40.2-40.4 ms for 40 ms set), later when the machine is overloaded: the daemon runs at nice
--10 for that reason. Jitter with order preserved lowers TCP throughput noticeably. TCP on a long
-fat link needs large socket buffers: each namespace gets net.ipv4.tcp_rmem/tcp_wmem max of
-64 MiB (with the kernel defaults a flow stalls near 450 Mbit/s on 1 Gbit/s at 60 ms RTT).
+(RTT 40.2-40.4 ms for 40 ms set), later when the machine is overloaded: the daemon runs at
+real-time priority for that reason (nice -10 where refused). Jitter with order preserved lowers
+TCP throughput noticeably. TCP on a long fat link needs large socket buffers: each namespace gets
+net.ipv4.tcp_rmem/tcp_wmem max of 64 MiB (with the kernel defaults a flow stalls near
+450 Mbit/s on 1 Gbit/s at 60 ms RTT).
 
 `--flow-window-mb W` caps them at W MB instead, in both namespaces: one TCP flow then carries
 at most about W MB per round trip, as a production WAN's flows do with stock Linux windows

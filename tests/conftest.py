@@ -5,15 +5,19 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import pytest
 
 from pdd.launch.pd_local import LocalPD, format_seconds
+from pdd.launch.pdd_deploy import PDDDeployment
 from pdd.launch.process import PORT_RANGE, PORT_RANGE_ENV, free_port, stop_groups
 from pdd.launch.router import RouterService
 from pdd.launch.servers import DTYPE_ENV, HttpService, SGLangServer
+from pdd.launch.testbed import Testbed
+from pdd.launch.wan import LinkParams
 
 # Every server a test starts runs in float32, so greedy outputs of different paths cannot differ
 # by a bf16 near-tie (see DTYPE_ENV); tests/test_pd_same_dc.py checks that it took effect.
@@ -40,15 +44,37 @@ def _worker_ports() -> None:
 _worker_ports()
 
 # The modules that take longest (setup and calls, measured on a 2-core machine), longest first.
-# Parallel workers take modules in collection order (run.sh: --no-loadscope-reorder), so the
+# Parallel workers take groups in collection order (run.sh: --no-loadscope-reorder), so the
 # long ones start early rather than one of them running on alone at the end.
 SLOW_FIRST = [
-    "test_eval_live", "test_faults", "test_router_paths", "test_main_decode", "test_decode_cache",
-    "test_plugin_flags", "test_dp_attention", "test_multi_router", "test_tp", "test_pdd_core",
-    "test_handoff_kernel", "test_hostile_input", "test_router_policy", "test_testbed",
-    "test_router_openai", "test_cross_dc_pd", "test_pd_same_dc", "test_router_hold",
-    "test_launch_pd_local",
+    "test_router_paths", "test_handoff_kernel", "test_dp_attention", "test_pdd_core",
+    "test_multi_router", "test_faults", "test_eval_live", "test_hostile_input",
+    "test_decode_cache", "test_main_decode", "test_router_policy", "test_tp", "test_plugin_flags",
+    "test_pd_same_dc", "test_launch_pd_local", "test_cross_dc_pd", "test_router_openai",
+    "test_testbed", "test_router_hold",
 ]  # fmt: skip
+# Modules that share session-scoped servers run on one worker, so those servers start once;
+# every other module is a unit of its own (run.sh: --dist loadfile).
+SHARED = {
+    "test_router_paths": "mla", "test_handoff_kernel": "mla", "test_dp_attention": "mla",
+    "test_pdd_core": "pdd_testbed", "test_multi_router": "pdd_testbed",
+}  # fmt: skip
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: serial runs never call it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile`, with SHARED's modules one unit. (xdist's own `loadgroup` cannot do it
+    under this pytest: it renames items through a field pytest no longer reads.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedServersScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SHARED.get(Path(path).stem, path)
+
+    return SharedServersScheduling(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -103,11 +129,12 @@ def colocated(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     yield from _colocated("colocated", tiny_model, tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mla_colocated(
     mla_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SGLangServer]:
-    """A colocated server of the MLA model, for the module that asks (started, not waited for)."""
+    """A colocated server of the MLA model for the session (started when first asked for, not
+    waited for here); the modules that use it share a worker (SHARED above)."""
     yield from _colocated("colocated_mla", mla_model, tmp_path_factory)
 
 
@@ -163,3 +190,41 @@ def colocated_and_pd(
     pd = LocalPD.create(tiny_model, tmp_path_factory.mktemp("servers"))
     with serving(colocated, pd):
         yield colocated, pd
+
+
+@dataclass
+class SharedPDD:
+    """The session's PDD deployment on the testbed, for the modules of SHARED's "pdd_testbed"
+    group: each starts further routers of its own over these servers, and none stops a server
+    or leaves the link changed."""
+
+    tb: Testbed
+    pdd: PDDDeployment
+
+    def log_sizes(self) -> dict[str, int]:
+        """Where each server's log ends now: a module reads only what it caused."""
+        return {s.name: (s.log_dir / f"{s.name}.log").stat().st_size for s in self.pdd.servers()}
+
+
+@pytest.fixture(scope="session")
+def pdd_testbed(
+    tiny_model: Path, colocated: SGLangServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SharedPDD]:
+    """P and RLD in datacenter A, MD in B, over a 100 Mbit/s link of 20 ms one way (RTT 40 ms);
+    the router in A runs Extend-Decode handoffs, serves the OpenAI endpoints and honours test
+    controls. RLD is as large as MD here: the modules hold RLD's answers at a given token
+    (pdd_hold_relay) or keep long answers on it, and test paths rather than RLD's size."""
+    tb = Testbed("pddshared", LinkParams(100.0, 20.0), net="10.217")
+    tb.down()  # whatever a crashed earlier run left
+    tb.up()
+    pdd = PDDDeployment.create(
+        tiny_model, tmp_path_factory.mktemp("pdd_testbed"), tb.placement("a"), tb.placement("b"),
+        path="pdd", relay_fraction=1.0,
+        router_args=("--handoff-mode", "extend", "--tokenizer", str(tiny_model),
+                     "--test-controls"),
+    )  # fmt: skip
+    try:
+        with serving(colocated, pdd):
+            yield SharedPDD(tb, pdd)
+    finally:
+        tb.down()

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The test command: set up (idempotent), then run the whole suite against real SGLang servers.
 # Extra arguments go to pytest. Exits non-zero if any test fails or if no test ran.
-# PDD_TEST_WORKERS=N runs modules on N parallel workers (default 2), a module's tests all on one
-# worker, so its servers start once (the suite mostly waits on servers and emulated links: one
-# worker left a core idle a third of the time). PDD_TEST_WORKERS=1 runs it serially.
+# PDD_TEST_WORKERS=N runs the suite on N parallel workers (default 2); a module's tests, and
+# modules that share servers (tests/conftest.py SHARED), all run on one worker, so those servers
+# start once. PDD_TEST_WORKERS=1 runs it serially.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PDD_SKIP_SMOLLM2=1 bash launch/setup.sh

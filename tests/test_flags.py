@@ -129,9 +129,24 @@ def decoder_args(mode: str, *argv: str) -> argparse.Namespace:
     return parser.parse_args(["--disaggregation-mode", mode, *argv])
 
 
-def test_wrong_mode_exits_with_a_clear_message() -> None:
-    with pytest.raises(SystemExit, match="--pdd-role main needs --disaggregation-mode decode"):
-        config_from_args(parse("--pdd-role", "main", "--disaggregation-mode", "prefill"))
+@pytest.mark.parametrize(
+    ("role", "mode", "needed"),
+    [("prefill", "decode", "prefill"), ("relay", "prefill", "decode"), ("main", "null", "decode"),
+     ("main", "prefill", "decode")],
+)  # fmt: skip
+def test_wrong_mode_exits_with_a_clear_message(role: str, mode: str, needed: str) -> None:
+    """SGLang's launcher runs this check: tests/test_plugin_flags.py starts one such server."""
+    with pytest.raises(SystemExit, match=f"--pdd-role {role} needs --disaggregation-mode {needed}"):
+        config_from_args(parse("--pdd-role", role, "--disaggregation-mode", mode,
+                               "--pdd-control-port", "31000"))  # fmt: skip
+
+
+def test_an_unknown_role_is_refused_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse("--pdd-role", "colocated")
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--pdd-role" in err and "invalid choice: 'colocated'" in err, err
 
 
 def test_config_travels_through_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from pdd.control.messages import Ack, Chunk, Handoff
+from pdd.launch.servers import SGLangServer
 from tests.marks import without_gpu
 from tests.test_main_decode import Deployment, Parked, reference, started
 from tests.test_pd_same_dc import random_ids
@@ -34,9 +35,13 @@ def deployment(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
     model: Path = request.getfixturevalue(f"{request.param}_model")
+    colocated: SGLangServer = request.getfixturevalue(
+        "colocated" if request.param == "tiny" else "mla_colocated"
+    )
     with started(
         model,
         tmp_path_factory.mktemp("handoff_kernel"),
+        colocated,
         args=["--dtype", "float32"],
         md_args=["--pdd-extend-kernel", "triton"],
         md_env={"TRITON_INTERPRET": "1"},

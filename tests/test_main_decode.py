@@ -110,11 +110,13 @@ class Deployment:
 def started(
     model: Path,
     run_dir: Path,
+    colocated: SGLangServer,
     args: Sequence[str] = (),
     md_args: Sequence[str] = (),
     md_env: dict[str, str] | None = None,
 ) -> Iterator[Deployment]:
-    """P, MD and a colocated server, all with `args`; MD also with `md_args` and `md_env`."""
+    """P and MD, both with `args`; MD also with `md_args` and `md_env`. `colocated` (the
+    session's reference for `model`, started elsewhere) is waited for with them."""
     prefill = SGLangServer("prefill", model, free_port(), run_dir, mode="prefill",
                            bootstrap_port=free_port(), extra_args=[*args])  # fmt: skip
     main = SGLangServer(
@@ -124,14 +126,13 @@ def started(
                     "--max-total-tokens", str(MD_POOL), *md_args],
         env=md_env or {},
     )  # fmt: skip
-    colocated = SGLangServer("colocated", model, free_port(), run_dir, extra_args=[*args])
-    servers = [prefill, main, colocated]
+    servers = [prefill, main]
     control = ControlSocket()
     reply_to = control.bind(f"tcp://127.0.0.1:{free_port()}")
     for server in servers:
         server.start()
     try:
-        for server in servers:
+        for server in [*servers, colocated]:
             server.wait_ready()
         yield Deployment(prefill, main, colocated, control, reply_to)
     finally:
@@ -140,8 +141,10 @@ def started(
 
 
 @pytest.fixture(scope="module")
-def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    with started(tiny_model, tmp_path_factory.mktemp("main_decode")) as dep:
+def deployment(
+    tiny_model: Path, colocated: SGLangServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
+    with started(tiny_model, tmp_path_factory.mktemp("main_decode"), colocated) as dep:
         yield dep
 
 

@@ -28,9 +28,7 @@ from pdd.launch.pdd_deploy import PDDDeployment
 from pdd.launch.process import free_port
 from pdd.launch.router import RouterService
 from pdd.launch.servers import SGLangServer
-from pdd.launch.testbed import Testbed
-from pdd.launch.wan import LinkParams
-from tests.conftest import serving
+from tests.conftest import SharedPDD, running
 from tests.marks import needs_root
 from tests.test_pd_same_dc import random_ids
 
@@ -59,25 +57,16 @@ class Setup:
 
 
 @pytest.fixture(scope="module")
-def setup(
-    tiny_model: Path, colocated: SGLangServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Setup]:
-    tb = Testbed("pddmr", LinkParams(100.0, 20.0), net="10.243")
-    tb.down()  # whatever a crashed earlier run left
-    tb.up()
-    run_dir = tmp_path_factory.mktemp("multi_router")
-    router_args = ("--tokenizer", str(tiny_model), "--test-controls")
-    # RLD as large as MD: BUSY relay answers of LONG_NEW tokens must fit its KV pool at once.
-    pdd = PDDDeployment.create(tiny_model, run_dir, tb.placement("a"), tb.placement("b"),
-                               path="pdd", router_args=router_args, relay_fraction=1.0)  # fmt: skip
-    second = RouterService("router-b", free_port(), run_dir, [pdd.prefill], [pdd.relay],
-                           [pdd.main], tb.placement("a"), path="pdd",
-                           extra_args=list(router_args))  # fmt: skip
-    try:
-        with serving(colocated, pdd, second):
-            yield Setup(colocated, pdd, second, tiny_model)
-    finally:
-        tb.down()
+def setup(pdd_testbed: SharedPDD, colocated: SGLangServer, tiny_model: Path) -> Iterator[Setup]:
+    pdd = pdd_testbed.pdd
+    # Like the first router, it knows the model (the OpenAI endpoints) and honours test controls.
+    second = RouterService(
+        "router-b", free_port(), pdd.router.log_dir, [pdd.prefill], [pdd.relay], [pdd.main],
+        pdd_testbed.tb.placement("a"), path="pdd",
+        extra_args=["--tokenizer", str(tiny_model), "--test-controls"],
+    )  # fmt: skip
+    with running([second]):
+        yield Setup(colocated, pdd, second, tiny_model)
 
 
 def body(ids: list[int], max_new: int, **extra: object) -> dict[str, Any]:
@@ -107,7 +96,13 @@ def path_of(i: int) -> dict[str, object]:
     return {"pdd_path": "main"} if i % 8 in (3, 6) else {"pdd_hold_relay": HOLD}
 
 
+def served_requests(router: str) -> int:
+    counters = get_json(f"{router}/status")["counters"]
+    return sum(n for k, n in counters.items() if k.startswith('requests_total{path="P'))
+
+
 def test_two_routers_split_64_requests_and_every_output_equals_colocated(setup: Setup) -> None:
+    before = [served_requests(router) for router in setup.routers]  # the first served others
     prompts = [random_ids(40 + 7 * i, seed=7000 + i) for i in range(REQUESTS)]
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         expected = list(pool.map(lambda ids: generate(setup.colocated.url, body(ids, MAX_NEW)),
@@ -126,10 +121,8 @@ def test_two_routers_split_64_requests_and_every_output_equals_colocated(setup: 
     handed = [r["meta_info"]["pdd"] for r in routed if r["meta_info"]["pdd"]["path"] != "P->MD"]
     assert all(m["relay_tokens"] == HOLD and m["main_tokens"] == MAX_NEW - HOLD
                for m in handed), handed  # fmt: skip
-    for router in setup.routers:
-        counters = get_json(f"{router}/status")["counters"]
-        served = sum(n for k, n in counters.items() if k.startswith('requests_total{path="P'))
-        assert served >= REQUESTS // 2, counters  # each router served its half
+    served = [served_requests(router) - n for router, n in zip(setup.routers, before, strict=True)]
+    assert min(served) >= REQUESTS // 2, served  # each router served its half
 
 
 def test_each_router_sees_rlds_load_as_rld_reports_it(setup: Setup) -> None:

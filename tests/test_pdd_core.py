@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -25,8 +24,7 @@ from pdd.launch.process import free_port
 from pdd.launch.router import RouterService
 from pdd.launch.servers import SGLangServer
 from pdd.launch.testbed import Testbed
-from pdd.launch.wan import LinkParams
-from tests.conftest import serving
+from tests.conftest import SharedPDD, running
 from tests.marks import needs_root
 from tests.test_pd_same_dc import random_ids
 
@@ -56,6 +54,7 @@ class Setup:
     colocated: SGLangServer
     pdd: PDDDeployment
     catchup: RouterService  # a second router on the same servers, Catch-Up in small chunks
+    logs_from: dict[str, int]  # where each server's log stood when this module began
 
     def reference(self, ids: list[int], max_new: int = MAX_NEW) -> list[int]:
         return generate(self.colocated.url, body(ids, max_new))["output_ids"]
@@ -67,20 +66,11 @@ def body(ids: list[int], max_new: int = MAX_NEW, **extra: object) -> dict:
 
 
 @pytest.fixture(scope="module")
-def setup(
-    tiny_model: Path, colocated: SGLangServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Setup]:
-    tb = Testbed("pddcore", LinkParams(RATE_MBIT, DELAY_MS), net="10.217")
-    tb.down()  # whatever a crashed earlier run left
-    tb.up()
-    run_dir = tmp_path_factory.mktemp("pdd_core")
-    pdd = PDDDeployment.create(
-        tiny_model, run_dir, tb.placement("a"), tb.placement("b"),
-        path="pdd", router_args=("--handoff-mode", "extend", *TEST_CONTROLS),
-    )  # fmt: skip
+def setup(pdd_testbed: SharedPDD, colocated: SGLangServer) -> Iterator[Setup]:
+    pdd = pdd_testbed.pdd
     catchup = RouterService(
-        "router-catchup", free_port(), run_dir, [pdd.prefill], [pdd.relay], [pdd.main],
-        tb.placement("a"),
+        "router-catchup", free_port(), pdd.router.log_dir, [pdd.prefill], [pdd.relay], [pdd.main],
+        pdd_testbed.tb.placement("a"),
         # MD is fed only once RLD has streamed 40 tokens, so Catch-Up always has work; after 4
         # chunks the rest goes in the final handoff.
         path="pdd",
@@ -88,11 +78,9 @@ def setup(
                     "--catchup-threshold", "8", "--catchup-max-chunks", "4",
                     "--md-feed-after-tokens", "40", *TEST_CONTROLS],
     )  # fmt: skip
-    try:
-        with serving(colocated, pdd, catchup):
-            yield Setup(tb, colocated, pdd, catchup)
-    finally:
-        tb.down()
+    logs_from = pdd_testbed.log_sizes()
+    with running([catchup]):
+        yield Setup(pdd_testbed.tb, colocated, pdd, catchup, logs_from)
 
 
 def pdd_meta(result: dict) -> dict:
@@ -238,7 +226,9 @@ def test_no_kv_leaked_anywhere(setup: Setup) -> None:
     """Runs last: every server, once idle, passes SGLang's own (strict) leak check."""
     time.sleep(5)
     for server in setup.pdd.servers():
-        log = (server.log_dir / f"{server.name}.log").read_text()
+        with open(server.log_dir / f"{server.name}.log", "rb") as f:
+            f.seek(setup.logs_from[server.name])  # what this module's requests caused
+            log = f.read().decode(errors="replace")
         assert "memory leak" not in log, server.name
         assert "Traceback" not in log, server.name
     ids = random_ids(64, seed=45)  # and all still serve

@@ -38,7 +38,7 @@ from pdd.policy.path import PathPolicy
 SAME_DC = "same-DC PD"
 KINDS = {  # live deployment -> simulated kind, handoff mode (the live run's), capacity group
     SAME_DC: ("same-dc", "extend", "same-dc"),
-    "naive cross-DC PD": ("naive", "extend", "naive"),
+    "naive cross-DC PD": ("naive", "extend", "same-dc"),  # on same-DC PD's servers
     "cross-DC PD + decode cache": ("cache", "extend", "pdd"),
     "PDD": ("pdd", "extend", "pdd"),
     "PDD catch-up": ("pdd", "catchup", "pdd-catchup"),
