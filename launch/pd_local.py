@@ -4,8 +4,8 @@
     python -m pdd.launch.pd_local status
     python -m pdd.launch.pd_local down                # stop everything it started
 
-`up` records each process group in RUN_DIR/state.json; `down` stops those groups, so it also
-cleans up after a launcher that crashed.
+`up` records each process group (and the model and ports) in RUN_DIR/state.json; `down` stops
+those groups, so it also cleans up after a launcher that crashed.
 """
 
 from __future__ import annotations
@@ -107,8 +107,25 @@ class LocalPD:
             bootstrap_port=get("bootstrap"),
         )  # fmt: skip
         decode = SGLangServer("decode", model, get("decode"), run_dir, decode_at, mode="decode")
-        router = PDRouter("router", get("router"), run_dir, [prefill], [decode])
+        router = PDRouter("router", get("router"), run_dir, [prefill], [decode],
+                          metrics_port=get("metrics"))  # fmt: skip
         return cls(prefill, decode, router)
+
+    @classmethod
+    def from_state(cls, run_dir: Path) -> LocalPD:
+        """The deployment `up` started from `run_dir` (local placements), to talk to; `down`
+        stops it by the recorded process groups."""
+        state = load_state(run_dir)
+        if "ports" not in state:
+            raise SystemExit(f"no deployment recorded in {run_dir}: run `up` first")
+        return cls.create(Path(state["model"]), run_dir, state["ports"])
+
+    @property
+    def ports(self) -> dict[str, int]:
+        bootstrap = self.prefill.bootstrap_port
+        assert bootstrap is not None, "P has a bootstrap port"
+        return {"prefill": self.prefill.port, "bootstrap": bootstrap, "decode": self.decode.port,
+                "router": self.router.port, "metrics": self.router.metrics_port}  # fmt: skip
 
     @property
     def url(self) -> str:
@@ -128,7 +145,8 @@ class LocalPD:
         stop_groups(list(self.pgids().values()))
 
     def save_state(self, run_dir: Path) -> None:
-        state = {"url": self.url, "groups": self.pgids()}
+        model = str(self.prefill.model.resolve())
+        state = {"url": self.url, "groups": self.pgids(), "model": model, "ports": self.ports}
         (run_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
 
 

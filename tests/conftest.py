@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import pytest
 
-from pdd.launch.pd_local import LocalPD, format_seconds
+from pdd.launch.pd_local import format_seconds
 from pdd.launch.pdd_deploy import PDDDeployment
 from pdd.launch.process import PORT_RANGE, PORT_RANGE_ENV, free_port, stop_groups
 from pdd.launch.router import RouterService
@@ -43,14 +43,14 @@ def _worker_ports() -> None:
 
 _worker_ports()
 
-# The modules that take longest (setup and calls, measured on a 2-core machine), longest first.
-# Parallel workers take groups in collection order (run.sh: --no-loadscope-reorder), so the
-# long ones start early rather than one of them running on alone at the end.
+# The modules that take longest (setup and calls, measured on a 2-core machine), longest unit
+# (SHARED below) first. Parallel workers take units in collection order (run.sh:
+# --no-loadscope-reorder), so the long ones start early rather than one running on alone at the end.
 SLOW_FIRST = [
     "test_router_paths", "test_handoff_kernel", "test_dp_attention", "test_pdd_core",
-    "test_multi_router", "test_faults", "test_eval_live", "test_hostile_input",
-    "test_decode_cache", "test_main_decode", "test_router_policy", "test_tp", "test_plugin_flags",
-    "test_pd_same_dc", "test_launch_pd_local", "test_cross_dc_pd", "test_router_openai",
+    "test_multi_router", "test_faults", "test_router_policy", "test_tp", "test_hostile_input",
+    "test_decode_cache", "test_eval_live", "test_main_decode", "test_pd_same_dc",
+    "test_plugin_flags", "test_cross_dc_pd", "test_router_openai", "test_extend_attention_kernel",
     "test_testbed", "test_router_hold",
 ]  # fmt: skip
 # Modules that share session-scoped servers run on one worker, so those servers start once;
@@ -180,16 +180,6 @@ def running(services: Sequence[HttpService], *references: SGLangServer) -> Itera
         yield
     finally:
         stop_groups([s.process.pgid for s in services if s.process is not None])
-
-
-@pytest.fixture(scope="module")
-def colocated_and_pd(
-    tiny_model: Path, colocated: SGLangServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[SGLangServer, LocalPD]]:
-    """The colocated reference and a P + D (mooncake_tcp) + router deployment on this machine."""
-    pd = LocalPD.create(tiny_model, tmp_path_factory.mktemp("servers"))
-    with serving(colocated, pd):
-        yield colocated, pd
 
 
 @dataclass

@@ -1,19 +1,27 @@
-"""Greedy output through real P -> D (mooncake_tcp) + router equals a colocated server's."""
+"""Same-datacenter PD as `python -m pdd.launch.pd_local up/status/down` starts it: real P and D
+(mooncake_tcp) and SGLang's router. Greedy output through it equals a colocated server's, and
+`down` leaves no process."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from pdd.eval import prompts as prompts_lib
-from pdd.launch.pd_local import LocalPD, generate, wait_serving
-from pdd.launch.process import free_port
+from pdd.launch.pd_local import STATE_FILE, LocalPD, generate, wait_serving
+from pdd.launch.process import free_port, group_alive
 from pdd.launch.servers import PDRouter, SGLangServer
 from pdd.models.tiny import VOCAB_SIZE
 from tests.conftest import running
+
+CLI = [sys.executable, "-m", "pdd.launch.pd_local"]
 
 MAX_NEW_TOKENS = 24
 # Lengths 8..1000; the last two extend the 1000-token prompt, so they hit the prefix cache.
@@ -36,6 +44,47 @@ def greedy(url: str, ids: list[int]) -> dict:
         "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True},
     }
     return generate(url, payload)
+
+
+def cli(run_dir: Path, *args: str, timeout: float = 400) -> str:
+    out = subprocess.run(
+        [*CLI, "--run-dir", str(run_dir), *args], capture_output=True, text=True, timeout=timeout
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def group_cmdlines(pgid: int) -> list[str]:
+    """The command lines of the live processes in process group `pgid`."""
+    lines = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:
+                lines.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while being read
+    return lines
+
+
+@pytest.fixture(scope="module")
+def colocated_and_pd(
+    tiny_model: Path, colocated: SGLangServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[SGLangServer, LocalPD]]:
+    """The colocated reference, and P + D + router brought up by the CLI (`up` returns once the
+    router serves); `down` after the module (the last test checks that it leaves nothing)."""
+    run_dir = tmp_path_factory.mktemp("servers")
+    print(cli(run_dir, "up", "--model", str(tiny_model)))
+    try:
+        colocated.wait_ready()
+        yield colocated, LocalPD.from_state(run_dir)
+    finally:
+        cli(run_dir, "down")
+
+
+def recorded_groups(pd: LocalPD) -> dict[str, int]:
+    groups: dict[str, int] = json.loads((pd.router.log_dir / STATE_FILE).read_text())["groups"]
+    return groups
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +114,7 @@ def test_repeated_prefix_hits_cache(
     longest = random_ids(LENGTHS[-1], seed=LENGTHS[-1])
     greedy(pd.url, longest)
     greedy(pd.url, longest + random_ids(30, seed=3))
-    assert pd.prefill.process is not None
-    log = pd.prefill.process.log_path.read_text()
+    log = (pd.prefill.log_dir / "prefill.log").read_text()
     cached = [int(m) for m in re.findall(r"#cached-token: (\d+)", log)]
     assert max(cached) >= 1000, cached
 
@@ -101,6 +149,33 @@ def test_a_second_sglang_router_on_the_machine_serves_too(
     assert second.metrics_port != pd.router.metrics_port
     with running([second]):
         wait_serving(second.url, 60)  # it answers /health before it has registered P and D
-        assert pd.router.process is not None and not pd.router.process.exited()
+        assert group_alive(recorded_groups(pd)["router"])
         got = greedy(second.url, prompts()[1])
         assert got["output_ids"] == reference[1]["output_ids"]
+
+
+def test_status_names_each_part_running_with_forked_schedulers(
+    colocated_and_pd: tuple[SGLangServer, LocalPD],
+) -> None:
+    _, pd = colocated_and_pd
+    groups = recorded_groups(pd)
+    assert set(groups) == {"prefill", "decode", "router"}
+    assert cli(pd.router.log_dir, "status").count("running") == 3
+    # On CPU a server's scheduler and detokenizer are forked from it (pdd.srt.cpu_fork), not
+    # spawned: a spawned child runs multiprocessing's spawn_main.
+    for role in ("prefill", "decode"):
+        lines = group_cmdlines(groups[role])
+        assert len(lines) >= 3, lines
+        assert not [line for line in lines if "spawn_main" in line], lines
+
+
+def test_down_leaves_no_process(colocated_and_pd: tuple[SGLangServer, LocalPD]) -> None:
+    """Runs last: the module's deployment goes down here (the fixture's `down` then finds
+    nothing recorded)."""
+    _, pd = colocated_and_pd
+    run_dir = pd.router.log_dir
+    groups = recorded_groups(pd)
+    print(cli(run_dir, "down"))
+    assert not [name for name, pgid in groups.items() if group_alive(pgid)]
+    assert not (run_dir / STATE_FILE).exists()
+    assert "no deployment recorded" in cli(run_dir, "status")
