@@ -185,7 +185,7 @@ def running(services: Sequence[HttpService], *references: SGLangServer) -> Itera
 @dataclass
 class SharedPDD:
     """The session's PDD deployment on the testbed, for the modules of SHARED's "pdd_testbed"
-    group: each starts further routers of its own over these servers, and none stops a server
+    unit: each starts further routers of its own over these servers, and none stops a server
     or leaves the link changed."""
 
     tb: Testbed
