@@ -193,7 +193,21 @@ class SharedPDD:
 
     def log_sizes(self) -> dict[str, int]:
         """Where each server's log ends now: a module reads only what it caused."""
-        return {s.name: (s.log_dir / f"{s.name}.log").stat().st_size for s in self.pdd.servers()}
+        return {s.name: self._log(s).stat().st_size for s in self.pdd.servers()}
+
+    def logs_since(self, sizes: dict[str, int]) -> dict[str, str]:
+        """Each server's log from where `log_sizes` found it."""
+        logs = {}
+        for s in self.pdd.servers():
+            with open(self._log(s), "rb") as f:
+                f.seek(sizes[s.name])
+                logs[s.name] = f.read().decode(errors="replace")
+        return logs
+
+    @staticmethod
+    def _log(server: SGLangServer) -> Path:
+        assert server.process is not None, f"{server.name} was never started"
+        return server.process.log_path
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pdd.eval import prompts as prompts_lib
-from pdd.launch.pd_local import STATE_FILE, LocalPD, generate, wait_serving
+from pdd.launch.pd_local import STATE_FILE, LocalPD, generate, load_state, wait_serving
 from pdd.launch.process import free_port, group_alive
 from pdd.launch.servers import PDRouter, SGLangServer
 from pdd.models.tiny import VOCAB_SIZE
@@ -83,7 +82,7 @@ def colocated_and_pd(
 
 
 def recorded_groups(pd: LocalPD) -> dict[str, int]:
-    groups: dict[str, int] = json.loads((pd.router.log_dir / STATE_FILE).read_text())["groups"]
+    groups: dict[str, int] = load_state(pd.router.log_dir)["groups"]
     return groups
 
 

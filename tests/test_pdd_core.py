@@ -28,8 +28,6 @@ from tests.conftest import SharedPDD, running
 from tests.marks import needs_root
 from tests.test_pd_same_dc import random_ids
 
-RATE_MBIT = 100.0
-DELAY_MS = 20.0  # one way: RTT 40 ms
 SLOW_MBIT = 0.625
 # A scheduler that only waits on the WAN: well under a tenth of a core measured; one that spins
 # takes a whole one.
@@ -54,6 +52,7 @@ class Setup:
     colocated: SGLangServer
     pdd: PDDDeployment
     catchup: RouterService  # a second router on the same servers, Catch-Up in small chunks
+    shared: SharedPDD
     logs_from: dict[str, int]  # where each server's log stood when this module began
 
     def reference(self, ids: list[int], max_new: int = MAX_NEW) -> list[int]:
@@ -80,7 +79,7 @@ def setup(pdd_testbed: SharedPDD, colocated: SGLangServer) -> Iterator[Setup]:
     )  # fmt: skip
     logs_from = pdd_testbed.log_sizes()
     with running([catchup]):
-        yield Setup(pdd_testbed.tb, colocated, pdd, catchup, logs_from)
+        yield Setup(pdd_testbed.tb, colocated, pdd, catchup, pdd_testbed, logs_from)
 
 
 def pdd_meta(result: dict) -> dict:
@@ -225,11 +224,8 @@ def test_sixteen_concurrent_handoffs_equal_colocated(setup: Setup) -> None:
 def test_no_kv_leaked_anywhere(setup: Setup) -> None:
     """Runs last: every server, once idle, passes SGLang's own (strict) leak check."""
     time.sleep(5)
-    for server in setup.pdd.servers():
-        with open(server.log_dir / f"{server.name}.log", "rb") as f:
-            f.seek(setup.logs_from[server.name])  # what this module's requests caused
-            log = f.read().decode(errors="replace")
-        assert "memory leak" not in log, server.name
-        assert "Traceback" not in log, server.name
+    for name, log in setup.shared.logs_since(setup.logs_from).items():  # this module's part
+        assert "memory leak" not in log, name
+        assert "Traceback" not in log, name
     ids = random_ids(64, seed=45)  # and all still serve
     assert generate(setup.pdd.url, body(ids))["output_ids"] == setup.reference(ids)
