@@ -168,10 +168,37 @@ def test_md_control_socket_drops_malformed_and_oversized_messages(live: Deployme
     assert_still_serving(live)
 
 
+@pytest.mark.parametrize("tier", ["prefill", "main"])
+def test_a_bootstrap_room_in_use_is_refused_and_the_first_request_is_unharmed(
+    live: Deployment, tier: str
+) -> None:
+    # Two requests with one room on one server share its KV transfer state: P's scheduler died of
+    # it (n > 1 did the same). Neither request can finish without its PD partner, so both are in
+    # flight together whichever arrives first: that one keeps the room, the other is refused.
+    server: SGLangServer = getattr(live.dep, tier)
+    p = live.dep.prefill
+    room = random.randrange(2**62)
+    bodies = [{"input_ids": [5, 6, 7], "rid": f"room-{tier}-{side}", "bootstrap_host": p.host,
+               "bootstrap_port": p.bootstrap_port, "bootstrap_room": room,
+               "sampling_params": {"max_new_tokens": 4}} for side in "ab"]  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(post, server.url, body) for body in bodies]
+        done, _ = wait(futures, timeout=TIMEOUT_S, return_when=FIRST_COMPLETED)
+        assert len(done) == 1, f"{tier}: {len(done)} of the two answered before either aborted"
+        refused_one = done.pop().result()
+        check_refused(refused_one, f"{tier}, a second request with room {room}")
+        assert f"bootstrap_room {room} is already in use" in refused_one.text
+        for body in bodies:
+            _abort(server.url, body["rid"])
+        kept = [r for r in (f.result() for f in futures) if r is not refused_one]
+    assert kept[0].status_code != 200, f"{tier}: the kept request was not aborted: {kept[0].text}"
+    assert_still_serving(live)
+
+
 # --- the fuzz: every field, hostile values -----------------------------------------------------
 
 SERVE_CHECK_EVERY = 25  # cases between two full serving checks (process checks: every case)
-# A pair SGLang accepts but cannot serve in PD (n > 1 waits on a decoder forever) ends here.
+# A pair that one side refuses and the other waits on (its abort lost) ends here.
 PAIR_TIMEOUT_S = 20.0
 
 

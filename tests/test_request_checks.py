@@ -20,7 +20,12 @@ from pdd.router.sampling_checks import ALLOWED as SAMPLING_ALLOWED
 from pdd.router.sampling_checks import REFUSED as SAMPLING_REFUSED
 from pdd.router.sampling_checks import regex_problem
 from pdd.router.tokenizer import load_tokenizer, model_limits
-from pdd.srt.request_guard import generate_problem, logprobs_problem, token_ids_problem
+from pdd.srt.request_guard import (
+    generate_problem,
+    logprobs_problem,
+    room_problem,
+    token_ids_problem,
+)
 from tests.hostile_requests import (
     NAN,
     PROMPT,
@@ -180,6 +185,21 @@ def test_server_guard_refuses_what_took_a_live_p_down() -> None:
     assert "stop_token_ids has 1029" in (generate_problem(stop, 1024, True) or "")
     logprobs = req(return_logprob=True, top_logprobs_num=200)
     assert "top_logprobs_num" in (generate_problem(logprobs, 1024, True) or "")
+    # n > 1 sends every sample with one bootstrap room: refused only where rooms exist.
+    two = req(sampling_params={"n": 2})
+    assert "sampling_params.n is 2" in (generate_problem(two, 1024, True) or "")
+    assert generate_problem(two, 1024, False) is None
+    assert generate_problem(req(sampling_params={"n": 1}), 1024, True) is None
+
+
+def test_server_guard_keeps_each_bootstrap_room_to_one_live_request() -> None:
+    assert room_problem([7], {5, 6}) is None
+    assert room_problem([None], {5}) is None  # SGLang assigns one or refuses it itself
+    assert (
+        room_problem([5], {5, 6})
+        == "bootstrap_room 5 is already in use by a request on this server"
+    )
+    assert room_problem([1, 2, 1], set()) == "bootstrap_room 1 is given twice in one batch"
 
 
 # --- whatever the router lets through, SGLang's own checks accept -----------------------------

@@ -8,6 +8,13 @@ the vocabulary), so a server reached directly, not only through the router, refu
 Likewise the values SGLang type-checks but does not range-check and whose exception in the
 scheduler takes the server down (generate_problem). The router refuses all of these itself
 (pdd.router.body); this guard is for what reaches a server without it.
+
+A disaggregated server also keys each request's KV transfer by its bootstrap room, so two
+requests in flight with one room share a transfer state: P's scheduler raises on the state the
+other left ("Unexpected poll state") and dies, or a decoder waits for KV that never comes.
+`n > 1` makes exactly that (SGLang sends every sample with the request's room), and so does a
+client that reuses a room. Both are refused where SGLang refuses a duplicate request id
+(`TokenizerManager._init_req_state`), so a room is unique among a server's live requests.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from sglang.srt.plugins.hook_registry import HookType
 
 from pdd.srt.hooks import Hook
 
-_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 
 
 def token_ids_problem(input_ids: object, vocab_size: int) -> str | None:
@@ -67,6 +74,10 @@ def generate_problem(obj: Any, vocab_size: int, disaggregated: bool) -> str | No
         return "positional_embed_overrides cannot be given over HTTP"
     params = getattr(obj, "sampling_params", None)
     params = params if isinstance(params, dict) else {}
+    n = params.get("n")
+    if disaggregated and n is not None and n != 1:
+        return (f"sampling_params.n is {n!r}: a disaggregated server serves one sample per "
+                "bootstrap room; send n requests")  # fmt: skip
     top_k = params.get("top_k")
     if isinstance(top_k, int) and top_k > TOP_K_ALL:
         return f"sampling_params.top_k is {top_k}, above {TOP_K_ALL} (the whole vocabulary)"
@@ -82,6 +93,36 @@ def generate_problem(obj: Any, vocab_size: int, disaggregated: bool) -> str | No
                             disaggregated)  # fmt: skip
 
 
+def room_problem(rooms: list[object], in_flight: set[int]) -> str | None:
+    """Why a request's bootstrap rooms (one per prompt of a batch) cannot be admitted next to
+    the live requests' `in_flight` rooms, or None."""
+    seen: set[object] = set()
+    for room in rooms:
+        if room is None:
+            continue  # SGLang assigns one (fake transfer) or refuses the request itself
+        if room in in_flight:
+            return f"bootstrap_room {room} is already in use by a request on this server"
+        if room in seen:
+            return f"bootstrap_room {room} is given twice in one batch"
+        seen.add(room)
+    return None
+
+
+def _rooms(obj: Any) -> list[object]:
+    room = getattr(obj, "bootstrap_room", None)
+    return room if isinstance(room, list) else [room]
+
+
+def _before_init_req_state(self: Any, obj: Any, *args: Any, **kwargs: Any) -> None:
+    if getattr(self.disaggregation_mode, "value", "null") == "null":
+        return  # no KV transfer, no rooms
+    in_flight = {r for state in self.rid_to_state.values() for r in _rooms(state.obj)
+                 if isinstance(r, int)}  # fmt: skip
+    problem = room_problem(_rooms(obj), in_flight)
+    if problem is not None:
+        raise ValueError(problem)
+
+
 def _before_validate_one_request(
     self: Any, obj: Any, input_ids: Any, *args: Any, **kwargs: Any
 ) -> None:
@@ -95,4 +136,17 @@ def _before_validate_one_request(
         raise ValueError(problem)
 
 
-HOOKS = (Hook(_TARGET, _before_validate_one_request, HookType.BEFORE, "(self, obj, input_ids)"),)
+HOOKS = (
+    Hook(
+        f"{_MANAGER}._validate_one_request",
+        _before_validate_one_request,
+        HookType.BEFORE,
+        "(self, obj, input_ids)",
+    ),
+    Hook(
+        f"{_MANAGER}._init_req_state",
+        _before_init_req_state,
+        HookType.BEFORE,
+        "(self, obj, request)",
+    ),
+)
