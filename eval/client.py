@@ -31,8 +31,24 @@ def sse_events(lines: Iterable[bytes]) -> Iterator[dict]:
         yield json.loads(line[len("data:") :])
 
 
-def stream_generate(url: str, payload: dict, timeout: float = 300.0) -> Streamed:
-    """POSTs `payload` with stream=true and reads the SSE chunks (cumulative, SGLang's default)."""
+def stream_generate(
+    url: str, payload: dict, timeout: float = 300.0, patience_s: float = 0.0
+) -> Streamed:
+    """POSTs `payload` with stream=true and reads the SSE chunks (cumulative, SGLang's default).
+    A 503 with Retry-After (the router: over capacity, or every instance it needs down) is
+    retried after it for up to `patience_s`; any other error, or one past that, raises."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            return _stream_once(url, payload, timeout)
+        except urllib.error.HTTPError as err:
+            retry_after = err.headers.get("Retry-After") if err.code == 503 else None
+            if retry_after is None or time.monotonic() + float(retry_after) > deadline:
+                raise
+            time.sleep(float(retry_after))
+
+
+def _stream_once(url: str, payload: dict, timeout: float) -> Streamed:
     req = urllib.request.Request(
         f"{url}/generate",
         data=json.dumps({**payload, "stream": True}).encode(),

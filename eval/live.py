@@ -95,6 +95,7 @@ DEPLOYMENTS = [
 ]
 DEFAULT_DEPLOYMENTS = [d.name for d in DEPLOYMENTS if d.relay_guard]
 REQUEST_TIMEOUT_S = 600.0
+WARM_PATIENCE_S = 60.0  # how long a pass's warm-up waits out 503s (Retry-After)
 # One torch thread per server. In production each tier has chips of its own; here P, RLD and MD
 # share the cores, and with a thread per core each (torch's default) every OpenMP barrier of one
 # server waited on a core another server held: MD's steps ran 2.5-3.5x slower while RLD decoded.
@@ -145,7 +146,9 @@ def run_pass(dep: Deployment, url: str, pdd: PDDDeployment, tb: Testbed, pace: P
     router_sees_flush(url)
     for ids in warm:  # ... but for the system prompts, cached in steady state
         body = request_body(ids, 1, "relay" if dep.path == "relay" else "main")
-        stream_generate(url, body, timeout=REQUEST_TIMEOUT_S)
+        # A pass's outset must not end a run of many passes: an instance the router has just
+        # taken for down (until its next health check) gets its Retry-After.
+        stream_generate(url, body, timeout=REQUEST_TIMEOUT_S, patience_s=WARM_PATIENCE_S)
     before = int(tb.wan.status()["counters"]["a_to_b"]["bytes"])
     start = time.monotonic()
     loop = {"concurrency": args.concurrency} if pace.rate is None else {"speed": 1.0}

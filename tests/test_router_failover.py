@@ -10,10 +10,11 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+import pytest
 from aiohttp import web
 
 from pdd.launch.process import free_port
-from pdd.router.app import make_app
+from pdd.router.app import UPSTREAM_KEEPALIVE_S, make_app
 from pdd.router.config import MainTarget, PrefillTarget, RelayTarget, RouterConfig, Timeouts
 from tests.aio_apps import ok_routes, serving, stream_answer
 
@@ -141,3 +142,15 @@ def test_every_503_carries_retry_after() -> None:
     assert status == 503, answer
     assert headers.get("Retry-After") == "1"
     assert "prefill" in json.dumps(answer)
+
+
+def test_the_router_drops_idle_upstream_connections_before_sglang_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A pooled connection the server is closing as the router reuses it fails the request
+    # ("Server disconnected") and marks the instance down: the router must close first, with
+    # more than a WAN round trip (hundreds of ms) to spare.
+    from sglang.srt.environ import envs
+
+    monkeypatch.delenv(envs.SGLANG_TIMEOUT_KEEP_ALIVE.name, raising=False)
+    assert UPSTREAM_KEEPALIVE_S + 1.0 <= envs.SGLANG_TIMEOUT_KEEP_ALIVE.get()

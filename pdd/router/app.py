@@ -47,6 +47,11 @@ TOKENIZE = web.AppKey("tokenize", ThreadPoolExecutor)
 NEEDS = {"pdd": ("relay", "main"), "relay": ("relay",), "main": ("main",)}
 RETRIES = 2  # new plans for a request whose instances refused the connection
 RETRY_AFTER_S = 1  # what a 503 (over capacity, no instance up) tells clients to wait
+# How long an idle pooled connection to a server is kept: below SGLang's keep-alive (uvicorn's
+# timeout, SGLANG_TIMEOUT_KEEP_ALIVE, 5 s) by more than a WAN round trip, so that the router
+# closes its idle connections first. aiohttp's default, 15 s, reused connections the server had
+# just closed: the request met "Server disconnected" and the router took MD for down.
+UPSTREAM_KEEPALIVE_S = 3.0
 
 
 def error_response(status: int, message: str) -> web.Response:
@@ -294,7 +299,8 @@ async def _startup(app: web.Application) -> None:
     port = int(bound.rsplit(":", 1)[1])
     reply_to = f"tcp://{config.advertise_host}:{port}"
     # Connection pooling across requests; per-call timeouts are set where each call is made.
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
+    session = aiohttp.ClientSession(connector=connector)
     ctx = RouterContext(config, session, control, reply_to)
     app[CTX] = ctx
     loop = asyncio.get_running_loop()
