@@ -108,13 +108,18 @@ def room_problem(rooms: list[object], in_flight: set[int]) -> str | None:
     return None
 
 
+def _disaggregated(manager: Any) -> bool:
+    """Whether this TokenizerManager's server is a P or a decoder (its requests carry rooms)."""
+    return getattr(manager.disaggregation_mode, "value", "null") != "null"
+
+
 def _rooms(obj: Any) -> list[object]:
     room = getattr(obj, "bootstrap_room", None)
     return room if isinstance(room, list) else [room]
 
 
 def _before_init_req_state(self: Any, obj: Any, *args: Any, **kwargs: Any) -> None:
-    if getattr(self.disaggregation_mode, "value", "null") == "null":
+    if not _disaggregated(self):
         return  # no KV transfer, no rooms
     in_flight = {r for state in self.rid_to_state.values() for r in _rooms(state.obj)
                  if isinstance(r, int)}  # fmt: skip
@@ -130,8 +135,7 @@ def _before_validate_one_request(
     vocab = self.model_config.vocab_size
     problem = token_ids_problem(input_ids, vocab)
     if problem is None and hasattr(obj, "top_logprobs_num"):  # a generate request
-        disaggregated = getattr(self.disaggregation_mode, "value", "null") != "null"
-        problem = generate_problem(obj, vocab, disaggregated)
+        problem = generate_problem(obj, vocab, _disaggregated(self))
     if problem is not None:
         raise ValueError(problem)
 
