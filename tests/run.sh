@@ -10,6 +10,13 @@ PDD_SKIP_SMOLLM2=1 bash launch/setup.sh
 export PDD_TINY_MODEL="$PWD/models/tiny"
 export PDD_WIDE_MODEL="$PWD/models/wide"
 export PDD_MLA_MODEL="$PWD/models/mla"
+# SGLang imports all of its ~260 model modules at every server start unless told which to skip;
+# the suite's models need three of them (pdd/srt/model_archs.py). A value already set wins.
+if [ -z "${SGLANG_DISABLED_MODEL_ARCHS:-}" ]; then
+  SGLANG_DISABLED_MODEL_ARCHS=$(.venv/bin/python -m pdd.srt.model_archs \
+    "$PDD_TINY_MODEL" "$PDD_WIDE_MODEL" "$PDD_MLA_MODEL")
+  export SGLANG_DISABLED_MODEL_ARCHS
+fi
 workers=${PDD_TEST_WORKERS:-2}
 parallel=()
 if [ "$workers" != 1 ]; then
