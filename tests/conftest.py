@@ -19,6 +19,8 @@ from pdd.launch.servers import DTYPE_ENV, HttpService, SGLangServer
 from pdd.launch.testbed import Testbed
 from pdd.launch.wan import LinkParams
 
+pytest_plugins = ["tests.module_times"]  # the slowest modules, printed after the slowest tests
+
 # Every server a test starts runs in float32, so greedy outputs of different paths cannot differ
 # by a bf16 near-tie (see DTYPE_ENV); tests/test_pd_same_dc.py checks that it took effect.
 os.environ.setdefault(DTYPE_ENV, "float32")
