@@ -14,6 +14,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdd.launch.forkserver import ForkedServer, spawn
+
 STOP_TIMEOUT_S = 10.0
 # Log lines after which a server never becomes ready, although its process may stay alive.
 FATAL_LOG_MARKERS = ("error while attempting to bind on address",)  # uvicorn, our port
@@ -147,7 +149,9 @@ class ManagedProcess:
     argv: list[str]
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
-    popen: subprocess.Popen[bytes] | None = None
+    # The started process: our child, or an SGLang server the fork server forked for us
+    # (pdd.launch.forkserver), which behaves as one.
+    popen: subprocess.Popen[bytes] | ForkedServer | None = None
     log_start: int = 0  # where this start's output begins in the log
 
     @property
@@ -157,14 +161,18 @@ class ManagedProcess:
 
     def start(self, log_mode: str = "wb") -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.env}
         with open(self.log_path, log_mode) as log:
             self.log_start = log.tell()
+            self.popen = spawn(self.argv, env, self.log_path, append=log_mode == "ab")
+            if self.popen is not None:
+                return
             self.popen = subprocess.Popen(
                 self.argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.env},
+                env=env,
                 start_new_session=True,
             )
 

@@ -233,6 +233,19 @@ def test_health_marks_down_after_repeated_failures_and_up_at_once() -> None:
     assert health.status()["main"][1]["last_error"] == "unreachable"
 
 
+def test_a_dropped_connection_is_one_failure_and_a_refused_one_takes_the_instance_down() -> None:
+    health = Health({"main": ["http://md0", "http://md1"]}, interval_s=1.0, failures=2)
+    health.request_lost("main", 0, "dropped the connection", unreachable=False)
+    assert health.up("main", 0)  # a reset on the way: still up
+    health.mark("main", 0, True)  # the next check answers: the count starts again
+    health.request_lost("main", 0, "dropped the connection", unreachable=False)
+    assert health.up("main", 0)
+    health.mark("main", 0, False, "/ping failed")  # ... and a failed check after it: down
+    assert not health.up("main", 0)
+    health.request_lost("main", 1, "unreachable", unreachable=True)  # nothing listens: at once
+    assert not health.up("main", 1) and health.status()["main"][1]["downs"] == 1
+
+
 def test_a_timed_out_check_counts_only_while_the_instance_is_not_heard_elsewhere() -> None:
     clock = [100.0]
     health = Health({"main": ["http://md0"]}, interval_s=1.0, failures=2, heard_window_s=15.0,

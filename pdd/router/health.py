@@ -3,9 +3,10 @@
 SGLang's /ping is a flag check (healthy or not); its /health runs a generation and waits a
 second, too heavy to poll every instance every few seconds.
 
-An instance is down after `failures` failed checks in a row (or at once when a request finds it
-unreachable) and up again after one good check; pickers skip down instances, so new requests
-avoid a dead server within one interval.
+An instance is down after `failures` failed checks in a row (or at once when a request finds
+nothing listening there) and up again after one good check; pickers skip down instances, so new
+requests avoid a dead server within one interval. A request whose connection dropped counts as
+one failed check: a reset on the way is not a dead server, and a dead one refuses the next check.
 
 A busy line is not a dead datacenter: while KV fills the WAN, a /ping to MD waits in the
 link's queue behind it and may time out. A check that only timed out does not count while the
@@ -82,6 +83,14 @@ class Health:
         inst = self.tiers[tier][i]
         inst.failures = max(inst.failures, self.failures - 1)
         self.mark(tier, i, False, error)
+
+    def request_lost(self, tier: str, i: int, error: str, unreachable: bool) -> None:
+        """A request lost the instance: down now if no connection could be made, else (a dropped
+        connection) one failure."""
+        if unreachable:
+            self.mark_down(tier, i, error)
+        else:
+            self.mark(tier, i, False, error)
 
     def timed_out(self, tier: str, i: int, error: str) -> None:
         """A check that got no answer in time: a failure unless the instance was heard lately."""

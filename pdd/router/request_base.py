@@ -85,12 +85,12 @@ class RequestBase(ABC):
     # --- set-up ------------------------------------------------------------------------------
 
     def _upstream_failed(self, tier: str, err: UpstreamError) -> None:
-        """An instance that went away is marked down now, not at the next health check, and the
+        """An instance that went away counts against its health (pdd.router.health), and the
         request may run again elsewhere if the client got nothing yet; a call that timed out is
         counted by tier."""
         if err.lost and tier in self.held:
             self.lost_instance = True
-            self.ctx.health.mark_down(tier, self.held[tier], err.reason)
+            self.ctx.health.request_lost(tier, self.held[tier], err.reason, err.unreachable)
         if err.status == 504:
             self.ctx.metrics.inc("timeouts_total", wait=tier)
 

@@ -19,13 +19,16 @@ logger = logging.getLogger(__name__)
 class UpstreamError(Exception):
     """An instance failed or could not be reached; `status` is what the client should get.
     `lost`: the instance itself went away (refused, reset or dropped the connection), rather
-    than answering an error."""
+    than answering an error; `unreachable`: no connection could be made (nothing listens there)."""
 
-    def __init__(self, status: int, reason: str, lost: bool = False) -> None:
+    def __init__(
+        self, status: int, reason: str, lost: bool = False, unreachable: bool = False
+    ) -> None:
         super().__init__(reason)
         self.status = status
         self.reason = reason
-        self.lost = lost
+        self.lost = lost or unreachable
+        self.unreachable = unreachable
 
 
 def _answer_error(role: str, url: str, status: int, text: str) -> UpstreamError:
@@ -38,7 +41,7 @@ def _wrap(role: str, url: str, err: BaseException) -> UpstreamError:
     if isinstance(err, UpstreamError):
         return err
     if isinstance(err, aiohttp.ClientConnectorError):
-        return UpstreamError(503, f"{role} {url} unreachable: {err}", lost=True)
+        return UpstreamError(503, f"{role} {url} unreachable: {err}", unreachable=True)
     if isinstance(err, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
         return UpstreamError(502, f"{role} {url} dropped the connection: {err!r}", lost=True)
     if isinstance(err, asyncio.TimeoutError):  # aiohttp's say which wait: connect, read, total
