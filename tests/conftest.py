@@ -52,11 +52,11 @@ _worker_ports()
 # (SHARED below) first. Parallel workers take units in collection order (run.sh:
 # --no-loadscope-reorder), so the long ones start early rather than one running on alone at the end.
 SLOW_FIRST = [
-    "test_router_paths", "test_handoff_kernel", "test_dp_attention", "test_pdd_core",
-    "test_multi_router", "test_faults", "test_router_policy", "test_tp", "test_hostile_input",
-    "test_decode_cache", "test_eval_live", "test_main_decode", "test_pd_same_dc",
-    "test_plugin_flags", "test_cross_dc_pd", "test_router_openai", "test_extend_attention_kernel",
-    "test_testbed", "test_router_hold",
+    "test_router_paths", "test_handoff_kernel", "test_dp_attention", "test_multi_router",
+    "test_pdd_core", "test_decode_cache", "test_faults", "test_plugin_flags", "test_hostile_input",
+    "test_router_policy", "test_tp", "test_cross_dc_pd", "test_main_decode",
+    "test_extend_attention_kernel", "test_eval_live", "test_pd_same_dc", "test_router_openai",
+    "test_forkserver", "test_testbed", "test_router_hold",
 ]  # fmt: skip
 # Modules that share session-scoped servers run on one worker, so those servers start once;
 # every other module is a unit of its own (run.sh: --dist loadfile).
