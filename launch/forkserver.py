@@ -2,12 +2,12 @@
 
     python -m pdd.launch.forkserver --socket PATH    # the test suite starts one per worker
 
-Importing SGLang (torch, transformers, the model registry...) is ~21 of the ~23 CPU-seconds a tiny-
-model server takes to start on this project's CPU machines, and the test suite starts 55 servers on
-two cores. A server forked from a process that has imported it skips that; from the fork on it is
-an ordinary `python -m sglang.launch_server` (its own session and process group, its log, its
-network namespace, its environment), so the servers under test are real SGLang servers started by
-SGLang's own entry point.
+Importing SGLang (torch, transformers, the model registry...) is ~21 of the ~23 CPU-seconds a
+tiny-model server takes to start on this project's CPU machines, and the test suite starts 55
+servers on two cores. A server forked from a process that has imported it skips that; from the fork
+on it is an ordinary `python -m sglang.launch_server` (its own session and process group, its log,
+its network namespace, its environment), so the servers under test are real SGLang servers started
+by SGLang's own entry point.
 
 What an import reads from the environment stays as the fork server read it, so a server is
 forked only when its environment differs from the fork server's in RUNTIME_ENV alone (read
