@@ -131,10 +131,14 @@ class ForkedServer:
         return bool(select.select([self._fd], [], [], timeout)[0])
 
     def _code(self) -> int:
-        """Its exit code, once the fork server has collected it (within REAP_EVERY_S)."""
+        """Its exit code, once the fork server has collected it (within REAP_EVERY_S); -1 if
+        that cannot be known (the fork server is gone: init collected it)."""
         deadline = time.monotonic() + 10 * REAP_EVERY_S
         while True:
-            code = request(self.path, {"op": "exit", "pid": self.pid}).get("code")
+            try:
+                code = request(self.path, {"op": "exit", "pid": self.pid}).get("code")
+            except (OSError, ValueError):
+                code, deadline = None, 0.0
             if code is not None or time.monotonic() > deadline:
                 if self._fd is not None:
                     os.close(self._fd)

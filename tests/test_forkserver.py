@@ -49,6 +49,13 @@ def test_without_a_fork_server_a_server_is_started_the_usual_way(
     assert spawn(argv, dict(os.environ), tmp_path / "server.log", append=False) is None
 
 
+def test_an_exit_code_nobody_can_tell_is_minus_one(tmp_path: Path) -> None:
+    done = subprocess.Popen(["true"])
+    done.wait()  # collected here: the fork server named below never had it, and is gone
+    child = ForkedServer(str(tmp_path / "gone"), done.pid)
+    assert child.poll() == -1 and child.wait(timeout=0) == -1
+
+
 @pytest.fixture(scope="module")
 def pair(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
