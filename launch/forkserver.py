@@ -242,9 +242,7 @@ def _run_server(req: dict[str, Any]) -> None:
     try:
         os.setsid()  # its own session and process group, as ManagedProcess starts one
         if req["netns"]:
-            fd = os.open(netns.NETNS_DIR / req["netns"], os.O_RDONLY)
-            netns._setns(fd)
-            os.close(fd)
+            netns.enter(req["netns"])
         flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if req["append"] else os.O_TRUNC)
         log = os.open(req["log"], flags, 0o644)
         os.dup2(log, 1)

@@ -61,6 +61,15 @@ def _setns(fd: int) -> None:
         raise OSError(err, f"setns: {os.strerror(err)}")
 
 
+def enter(name: str) -> None:
+    """Move this thread into namespace `name` for good (e.g. a forked server's)."""
+    target = os.open(NETNS_DIR / name, os.O_RDONLY)
+    try:
+        _setns(target)
+    finally:
+        os.close(target)
+
+
 @contextmanager
 def entered(name: str) -> Iterator[None]:
     """Run the block with this thread inside namespace `name`.
@@ -69,15 +78,13 @@ def entered(name: str) -> Iterator[None]:
     and keep doing so after the block, which is what makes this useful.
     """
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    target = os.open(NETNS_DIR / name, os.O_RDONLY)
     try:
-        _setns(target)
+        enter(name)
         try:
             yield
         finally:
             _setns(own)
     finally:
-        os.close(target)
         os.close(own)
 
 

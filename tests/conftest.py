@@ -91,7 +91,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def forkserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """SGLang servers of this worker are forked from one process that imported SGLang
     (pdd.launch.forkserver): ~3 instead of ~23 CPU-seconds a start, on a suite that starts
-    well over a hundred. PDD_TEST_FORKSERVER=0 starts each the usual way."""
+    55. PDD_TEST_FORKSERVER=0 starts each the usual way."""
     if os.environ.get("PDD_TEST_FORKSERVER", "1") == "0":
         yield
         return
