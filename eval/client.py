@@ -78,10 +78,16 @@ def flush_cache(url: str, wait_s: float = 30.0) -> None:
         raise RuntimeError(f"{url} did not flush its cache: {err.read()!r}") from err
 
 
+def router_status(router_url: str) -> dict:
+    """The PDD router's /status: its instances, what it has learnt, its mirrors of MD's KV."""
+    with urllib.request.urlopen(f"{router_url}/status", timeout=30) as resp:
+        status: dict = json.loads(resp.read())
+    return status
+
+
 def mirrored_tokens(router_url: str) -> int:
     """Tokens of MD's KV the router mirrors, all MDs together (from their cache syncs)."""
-    with urllib.request.urlopen(f"{router_url}/status", timeout=30) as resp:
-        caches = json.loads(resp.read())["md_caches"]
+    caches = router_status(router_url)["md_caches"]
     return sum(int(c["tokens"]) for c in caches.values())
 
 

@@ -42,6 +42,11 @@ def cpu_s(w: Watched) -> float:
     return total / CLK_TCK
 
 
+def cpu_by_part(pgids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each named process group."""
+    return {name: cpu_s(Watched(pgid)) for name, pgid in pgids.items()}
+
+
 class CpuSampler(threading.Thread):
     """CPU seconds of each watched set of processes, sampled every SAMPLE_S."""
 

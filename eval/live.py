@@ -17,8 +17,10 @@ A, MainDecode (MD) in B, the PDD router in A, the emulated WAN between them. The
   (PDDDeployment's default fraction of MD), Extend-Decode handoffs;
 - PDD catch-up: the same with Catch-Up handoffs (router --handoff-mode catchup).
 Arrivals are open loop, Poisson at --rate (or each rate of --rates; --concurrency: closed
-loop). Caches are flushed before each pass, then the trace's shared system prompts are sent
-(steady state: they are always cached in production; the trace counts them as cached).
+loop). Each tier runs on CPUs of its own (eval.live_plan.tier_cpus; --no-pin: all share all):
+P and the small RLD on the first half of the cores, the decoders on the other. Caches are
+flushed before each pass, then the trace's shared system prompts are sent (steady state: they
+are always cached in production; the trace counts them as cached).
 
 The regime (see pdd.eval.workload and pdd.eval.live_plan): a 2-core CPU prefills ~1000x slower
 than a GPU, so prompts scale down (--scale: production's 2K-128K-token contexts become tens to
@@ -45,12 +47,19 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pdd.eval.client import flush_cache, router_sees_flush, stream_generate
-from pdd.eval.live_plan import TraceSpec, pool_tokens, trace_at, warmup, working_set
+from pdd.eval.client import flush_cache, router_sees_flush, router_status, stream_generate
+from pdd.eval.cpu import cpu_by_part
+from pdd.eval.live_plan import (
+    TraceSpec,
+    pool_tokens,
+    tier_cpus,
+    trace_at,
+    warmup,
+    working_set,
+)
 from pdd.eval.live_report import Outputs, report
 from pdd.eval.replay import replay
 from pdd.eval.report import Record, Run, Sla
@@ -120,10 +129,18 @@ def request_body(ids: list[int], max_new: int, path: str | None) -> dict:
     return body
 
 
-def run_pass(dep: Deployment, url: str, pdd: PDDDeployment, tb: Testbed, pace: Pace,
-             warm: list[list[int]], args: argparse.Namespace) -> tuple[Run, Outputs]:  # fmt: skip
-    """One deployment's pass over one rate's trace, through the router at `url`: records and
-    each request's output ids."""
+def pass_parts(pdd: PDDDeployment, router: RouterService) -> dict[str, int]:
+    """The process groups whose CPU a pass reports: the servers and the pass's router."""
+    tiers = {"P": pdd.prefill, "RLD": pdd.relay, "MD": pdd.main, "router": router}
+    return {name: p.process.pgid for name, p in tiers.items() if p.process is not None}
+
+
+def run_pass(dep: Deployment, router: RouterService, pdd: PDDDeployment, tb: Testbed,
+             pace: Pace, warm: list[list[int]],
+             args: argparse.Namespace) -> tuple[Run, Outputs]:  # fmt: skip
+    """One deployment's pass over one rate's trace, through `router`: records and each
+    request's output ids."""
+    url = router.url
     trace, prompts = pace.trace, pace.prompts
     outputs: Outputs = [None] * len(trace)
     index = {req.id: i for i, req in enumerate(trace)}
@@ -149,14 +166,20 @@ def run_pass(dep: Deployment, url: str, pdd: PDDDeployment, tb: Testbed, pace: P
         # A pass's outset must not end a run of many passes: an instance the router has just
         # taken for down (until its next health check) gets its Retry-After.
         stream_generate(url, body, timeout=REQUEST_TIMEOUT_S, patience_s=WARM_PATIENCE_S)
-    before = int(tb.wan.status()["counters"]["a_to_b"]["bytes"])
+    parts = pass_parts(pdd, router)
+    wan = tb.wan.status()
+    before, cpu_before = int(wan["counters"]["a_to_b"]["bytes"]), cpu_by_part(parts)
+    cpu_before["WAN"] = wan["cpu_s"]  # the emulator's packet forwarding, the link's cost here
     start = time.monotonic()
     loop = {"concurrency": args.concurrency} if pace.rate is None else {"speed": 1.0}
     label = dep.name if pace.rate is None else f"{dep.name} @ {pace.rate:g}/s"
     results = replay(trace, send, **loop, timeout_s=REQUEST_TIMEOUT_S, progress_every=5,
                      log=lambda line: print(f"[{label}] {line}", flush=True))  # fmt: skip
     run = Run(dep.name, wall_s=time.monotonic() - start)
-    run.wan_link_bytes = int(tb.wan.status()["counters"]["a_to_b"]["bytes"]) - before
+    wan = tb.wan.status()
+    run.wan_link_bytes = int(wan["counters"]["a_to_b"]["bytes"]) - before
+    cpu = {**cpu_by_part(parts), "WAN": wan["cpu_s"]}
+    run.cores = {k: (cpu[k] - cpu_before[k]) / max(run.wall_s, 1e-9) for k in cpu}
     for res, req in zip(results, trace, strict=True):
         if res.ok:
             run.records.append(replace(res.value, start_s=res.start_s))
@@ -186,12 +209,6 @@ def group_routers(deps: list[Deployment], pdd: PDDDeployment, route_ttft: float,
             extra.wait_ready()
             by_args[argv] = extra
         routers[dep.name] = by_args[argv]
-
-
-def router_status(url: str) -> dict:
-    with urllib.request.urlopen(f"{url}/status", timeout=30) as resp:
-        status: dict = json.loads(resp.read())
-    return status
 
 
 def served_capacity(url: str, timeout_s: float = 30.0) -> dict[str, int | None]:
@@ -296,6 +313,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES),
                         help="every server's; float32 so that the outputs-equal column is exact "
                              "(in bf16 a greedy near-tie can flip with the batch)")  # fmt: skip
+    parser.add_argument(
+        "--no-pin", dest="pin", action="store_false",
+        help="let every server run on every CPU (default: P and a small RLD on the first half, "
+        "the decoders on the other, as each tier has chips of its own in production)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("runs/live"))
     args = parser.parse_args(argv)
     unknown = set(args.deployments.split(",")) - {d.name for d in DEPLOYMENTS}
@@ -360,16 +382,19 @@ def main(argv: list[str] | None = None) -> int:
             routers: dict[str, RouterService] = {}
             deps = [d for d in chosen if d.group == group]
             first = deps[0]
+            cpus = tier_cpus(first.relay_fraction) if args.pin else {}
             pdd = PDDDeployment.create(
                 args.model, args.out / f"servers_{group}", tb.placement("a"),
                 tb.placement("b"), main_args=pool_args, prefill_args=pool_args,
                 decode_cache=first.decode_cache, router_args=first.router_args(args.route_ttft),
                 relay_fraction=first.relay_fraction, server_args=("--dtype", args.dtype),
                 server_env=SERVER_ENV,
+                server_cpus=cpus,
             )  # fmt: skip
             try:
                 print(f"starting P + RLD ({first.relay_fraction:g} of MD) in A, MD in B, router "
-                      f"in A; decode cache {first.decode_cache}; "
+                      f"in A; CPUs by role {cpus or 'shared'}; "
+                      f"decode cache {first.decode_cache}; "
                       f"{first.router_args(args.route_ttft)}",
                       flush=True)  # fmt: skip
                 pdd.up()
@@ -379,10 +404,10 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)  # fmt: skip
                 for pace in paces:
                     for dep in deps:
-                        url = routers[dep.name].url
-                        run, out = run_pass(dep, url, pdd, tb, pace, warm, args)
+                        router = routers[dep.name]
+                        run, out = run_pass(dep, router, pdd, tb, pace, warm, args)
                         runs[dep.name][pace.rate], outputs[dep.name][pace.rate] = run, out
-                        estimates[dep.name] = router_estimates(url)
+                        estimates[dep.name] = router_estimates(router.url)
                 print(f"[{group}] router's estimates: {estimates[deps[-1].name]}", flush=True)
             finally:
                 extra = [r for r in routers.values() if r is not pdd.router]

@@ -11,6 +11,7 @@ the trace's working set, so that the decode cache holds what production's would.
 from __future__ import annotations
 
 import math
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -153,3 +154,18 @@ def pool_tokens(traces: list[list[TraceRequest]], max_new: int, factor: float = 
     peak = max(working_set(t, max_new) for t in traces)
     longest = max(r.prompt_tokens + min(r.output_tokens, max_new) for t in traces for r in t)
     return max(round(factor * peak), 2 * longest, 1024), peak
+
+
+def tier_cpus(relay_fraction: float) -> dict[str, str]:
+    """CPUs per server role (`PDDDeployment.create`'s server_cpus) giving each tier chips of
+    its own, as production does: P on the first half of this machine's CPUs, the decoders on
+    the other half. Unpinned, MD's steps and P's prefills would take turns on every core, which
+    servers in two datacenters never do. A small RLD sits with P in datacenter A (production
+    gives it chips of its own, so this can only slow PDD down); a decoder as large as MD (same-DC
+    PD's, `relay_fraction` 1) gets the decoders' half. Empty with fewer than two CPUs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return {}
+    half = len(cpus) // 2
+    first, second = (",".join(str(c) for c in part) for part in (cpus[:half], cpus[half:]))
+    return {"prefill": first, "relay": first if relay_fraction < 1 else second, "main": second}

@@ -85,6 +85,14 @@ def handoffs(s: dict[str, float]) -> str:
     return f"extend {s['handoffs_extend']:.0f}, catch-up {s['handoffs_catchup']:.0f}"
 
 
+def where_time_went(run: Run) -> str:
+    """The cores each part used over the pass (this machine's cores are shared by all) and the
+    TPOT P50 per path (whose decoder's steps, with the stream's way back to the router)."""
+    cores = ", ".join(f"{part} {c:.2f}" for part, c in run.cores.items())
+    tpot = ", ".join(f"{path} {t:.3f} s ({n})" for path, (t, n) in run.tpot_by_path().items())
+    return f"cores used: {cores or 'not measured'}; TPOT P50 by path: {tpot or 'none'}"
+
+
 def report(
     runs: dict[str, dict[float | None, Run]],
     outputs: dict[str, dict[float | None, Outputs]],
@@ -126,6 +134,7 @@ def report(
             f"{sweep[n][rate]['same_output']:.0%}" + "".join(
                 f"; request {d['request']} differs from token {d['at_token']} of {d['tokens']} "
                 f"({d['path']}, vs {d['base_path']})" for d in differ[n][rate])
+            + f"\n  - {where_time_went(runs[n][rate])}"
             for n in names if rate in sweep[n]
         )  # fmt: skip
         sections.append(f"## {pace}\n\n{table}\n\n{extra}\n")

@@ -72,6 +72,7 @@ class Run:
     records: list[Record] = field(default_factory=list)
     wall_s: float = 0.0
     wan_link_bytes: int = 0  # the WAN's own byte counter, A -> B, over the run
+    cores: dict[str, float] = field(default_factory=dict)  # CPU per part / wall, over the run
 
     def summary(self, sla: Sla) -> dict[str, float]:
         ok = [r for r in self.records if r.ok]
@@ -95,7 +96,17 @@ class Run:
         for mode in ("extend", "catchup"):
             row[f"handoffs_{mode}"] = sum(r.handoff_mode == mode for r in ok)
         row["wall_s"] = self.wall_s
+        row.update({f"cores_{part}": c for part, c in self.cores.items()})
         return row
+
+    def tpot_by_path(self) -> dict[str, tuple[float, int]]:
+        """Per path, the TPOT P50 of its requests and how many there were: on P->MD it is MD's
+        step time (with the stream's way back), on P->RLD RLD's."""
+        by: dict[str, list[float]] = {}
+        for r in self.records:
+            if r.path is not None and (t := r.tpot_s) is not None:
+                by.setdefault(r.path, []).append(t)
+        return {path: (percentile(ts, 50), len(ts)) for path, ts in sorted(by.items())}
 
 
 COLUMNS = [  # (key, header, format)

@@ -76,6 +76,7 @@ class PDDDeployment:
         prefills: int = 1,
         relay_fraction: float = RELAY_FRACTION,
         relay_args: tuple[str, ...] = (),
+        server_cpus: dict[str, str] | None = None,
     ) -> PDDDeployment:
         """`a` and `b` place the two datacenters (e.g. `Testbed.placement("a")`). With
         `decode_cache`, MD keeps a radix tree of the KV it holds (SGLang's decode radix cache),
@@ -83,25 +84,28 @@ class PDDDeployment:
         `server_env["prefill" | "relay" | "main"]` into that server's environment. `prefills` P
         servers serve behind the router, the first one `prefill`. RLD runs `relay_fraction` of
         MD's requests with that share of its KV pool (1.0: a decoder as large as MD, as same-DC
-        PD has); `relay_args` go to RLD last."""
-        given = server_env or {}
+        PD has); `relay_args` go to RLD last. `server_cpus[role]` holds that role's servers to
+        those CPUs (see `Placement.on_cpus`)."""
+        given, cpus = server_env or {}, server_cpus or {}
         env = {role: dict(given.get(role, {})) for role in ("prefill", "relay", "main")}
         if decode_cache:
             main_args = (DECODE_CACHE_FLAG, *main_args)
         prefill, *others = [SGLangServer(
-            f"prefill{i or ''}", model, free_port(), run_dir, a, mode="prefill",
+            f"prefill{i or ''}", model, free_port(), run_dir, a.on_cpus(cpus.get("prefill")),
+            mode="prefill",
             bootstrap_port=free_port(), env=env["prefill"],
             extra_args=["--pdd-role", "prefill", *server_args, *prefill_args],
         ) for i in range(prefills)]  # fmt: skip
         if "--max-running-requests" not in main_args:
             main_args = (*main_args, "--max-running-requests", str(MAIN_MAX_RUNNING))
-        relay = SGLangServer("relay", model, free_port(), run_dir, a, mode="decode",
+        relay = SGLangServer("relay", model, free_port(), run_dir,
+                             a.on_cpus(cpus.get("relay")), mode="decode",
                              extra_args=["--pdd-role", "relay", *server_args,
                                          *relay_capacity_args(main_args, relay_fraction),
                                          *relay_args],
                              env=env["relay"])  # fmt: skip
         main = SGLangServer(
-            "main", model, free_port(), run_dir, b, mode="decode",
+            "main", model, free_port(), run_dir, b.on_cpus(cpus.get("main")), mode="decode",
             extra_args=["--pdd-role", "main", "--pdd-control-port", str(free_port()),
                         *server_args, *main_args], env=env["main"],
         )  # fmt: skip

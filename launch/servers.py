@@ -6,7 +6,7 @@ import json
 import os
 import sys
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pdd.control.secret import ENV_SECRET, is_loopback, write_secret
@@ -33,6 +33,13 @@ class Placement:
 
     host: str = "127.0.0.1"
     prefix: tuple[str, ...] = ()
+
+    def on_cpus(self, cpus: str | None) -> Placement:
+        """The same place with the server's processes (and their children) held to `cpus`
+        (taskset's list form, e.g. "0" or "2-3"); None: wherever the kernel runs them."""
+        if not cpus:
+            return self
+        return replace(self, prefix=(*self.prefix, "taskset", "--cpu-list", cpus))
 
 
 LOCAL = Placement()

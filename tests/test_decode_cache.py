@@ -11,7 +11,6 @@ float32 too, only less) enough to flip one.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import urllib.request
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from pdd.eval.client import mirrored_tokens, router_sees_flush, wait_mirrored
+from pdd.eval.client import mirrored_tokens, router_sees_flush, router_status, wait_mirrored
 from pdd.eval.prompts import random_ids
 from pdd.launch.pd_local import generate
 from pdd.launch.pdd_deploy import PDDDeployment
@@ -164,11 +163,6 @@ def test_after_md_evicts_what_it_lacks_crosses_again(setup: Setup) -> None:
     assert meta["md_predicted_cached_tokens"] == 0, meta  # the flush reached the router too
     expected = (len(ids) - meta["md_cached_tokens"]) * setup.kv_per_token
     assert abs(wan - expected) <= TOLERANCE * expected, (wan, expected)
-
-
-def router_status(url: str) -> dict:
-    with urllib.request.urlopen(f"{url}/status", timeout=30) as resp:
-        return json.loads(resp.read())
 
 
 def test_a_link_full_of_kv_never_marks_md_down(setup: Setup) -> None:

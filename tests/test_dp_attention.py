@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from pdd.eval.client import router_status
 from pdd.launch.pd_local import generate
 from pdd.launch.pdd_deploy import DECODE_CACHE_FLAG
 from pdd.launch.process import DP_ATTENTION_PORTS, free_port
@@ -31,7 +32,6 @@ from pdd.launch.router import RouterService
 from pdd.launch.servers import SGLangServer
 from pdd.router.server_loads import dp_attention_size
 from tests.conftest import running
-from tests.test_decode_cache import router_status
 from tests.test_pd_same_dc import random_ids
 from tests.test_router_paths import (
     CATCHUP_HOLD,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from pdd.eval.live_plan import (
     low_hit_burst,
     pool_tokens,
     sessions_for,
+    tier_cpus,
     trace_at,
     warmup,
     working_set,
@@ -24,7 +26,7 @@ from pdd.eval.live_report import compare_line, differences, meets, report, sla_g
 from pdd.eval.report import Record, Run, Sla
 from pdd.eval.workload import TraceRequest, hit_rate_summary
 from pdd.launch.pdd_deploy import RELAY_FRACTION, relay_capacity_args
-from pdd.launch.servers import flag_value
+from pdd.launch.servers import Placement, flag_value
 from tests.marks import needs_root
 
 
@@ -108,6 +110,20 @@ def test_differing_outputs_are_named_with_where_and_on_which_paths() -> None:
     assert differences(base, base, base_records, base_records) == []
 
 
+def test_each_tier_gets_cpus_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert tier_cpus(RELAY_FRACTION) == {"prefill": "0", "relay": "0", "main": "1"}
+    assert tier_cpus(1.0) == {"prefill": "0", "relay": "1", "main": "1"}  # same-DC's decoder
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 4, 5, 6, 7})
+    assert tier_cpus(RELAY_FRACTION) == {"prefill": "3,4", "relay": "3,4", "main": "5,6,7"}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert tier_cpus(RELAY_FRACTION) == {}
+    # The pin is a prefix of the server's command, after the namespace it runs in.
+    netns = Placement("10.0.0.1", ("ip", "netns", "exec", "a"))
+    assert netns.on_cpus("0").prefix == ("ip", "netns", "exec", "a", "taskset", "--cpu-list", "0")
+    assert netns.on_cpus(None) == netns
+
+
 def test_sla_goodput_is_the_highest_rate_that_meets_the_sla() -> None:
     sla = Sla(3.0, 0.5)
 
@@ -166,6 +182,12 @@ def test_a_short_live_run_reports_all_five_deployments(tiny_model: Path, tmp_pat
     assert all(r["relay_tokens"] == r["output_tokens"] for r in runs["same-DC PD"])
     assert s["same-DC PD"]["rld_share"] == 1.0 and s["naive cross-DC PD"]["rld_share"] == 0.0
     assert s["naive cross-DC PD"]["md_share"] == 1.0
+    # Each pass's CPU by part: the decoder that decoded used more than the idle one.
+    for name in names:
+        assert {"cores_P", "cores_RLD", "cores_MD", "cores_router", "cores_WAN"} <= set(s[name])
+        assert s[name]["cores_P"] > 0, (name, s[name])
+    assert s["same-DC PD"]["cores_RLD"] > s["same-DC PD"]["cores_MD"], s["same-DC PD"]
+    assert s["naive cross-DC PD"]["cores_MD"] > s["naive cross-DC PD"]["cores_RLD"], s
     for name in ("PDD", "PDD catch-up"):  # each request took the path its router planned
         for r in runs[name]:
             assert r["path"] in PLANNED_PATHS[planned(r["path_reason"])], (name, r)
@@ -192,10 +214,11 @@ def test_a_short_live_run_reports_all_five_deployments(tiny_model: Path, tmp_pat
 
 def test_the_report_of_a_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     def run(name: str, ttft: float, relay: int, main_: int, mode: str | None) -> Run:
+        path = "P->RLD->MD" if main_ else "P->RLD"
         records = [Record(100, 90, float(i), relay + main_, ttft, ttft + 0.05 * (relay + main_ - 1),
-                          relay_tokens=relay, main_tokens=main_, handoff_mode=mode)
+                          path, relay_tokens=relay, main_tokens=main_, handoff_mode=mode)
                    for i in range(10)]  # fmt: skip
-        return Run(name, records, wall_s=60.0)
+        return Run(name, records, wall_s=60.0, cores={"P": 0.5, "MD": 0.25})
 
     runs = {
         "same-DC PD": {0.1: run("same-DC PD", 2.0, 200, 0, None),
@@ -211,4 +234,7 @@ def test_the_report_of_a_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert set(data["sweep"]["PDD"]) == {"0.1", "0.2"} and len(data["runs"]["PDD"]) == 10
     printed = capsys.readouterr().out
     assert printed.rstrip().splitlines()[-1] == lines[0]  # the run's last line
-    assert "## SLA goodput" in (tmp_path / "live.md").read_text()
+    md = (tmp_path / "live.md").read_text()
+    assert "## SLA goodput" in md
+    assert "cores used: P 0.50, MD 0.25; TPOT P50 by path: P->RLD->MD 0.050 s (10)" in md
+    assert summaries["PDD"]["cores_MD"] == 0.25
