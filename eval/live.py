@@ -47,11 +47,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from pdd.eval.client import flush_cache, router_sees_flush, router_status, stream_generate
-from pdd.eval.cpu import cpu_by_part
+from pdd.eval.client import router_status
+from pdd.eval.live_pass import Pace, run_pass
 from pdd.eval.live_plan import (
     TraceSpec,
     pool_tokens,
@@ -61,9 +61,8 @@ from pdd.eval.live_plan import (
     working_set,
 )
 from pdd.eval.live_report import Outputs, report
-from pdd.eval.replay import replay
-from pdd.eval.report import Record, Run, Sla
-from pdd.eval.workload import TraceRequest, hit_rate_summary, materialize
+from pdd.eval.report import Run, Sla
+from pdd.eval.workload import hit_rate_summary, materialize
 from pdd.launch.cli import command_parser
 from pdd.launch.pdd_deploy import RELAY_FRACTION, PDDDeployment, thread_env
 from pdd.launch.process import exit_on_sigterm, free_port, stop_groups
@@ -103,91 +102,10 @@ DEPLOYMENTS = [
     Deployment("PDD no RLD guard", True, None, "pdd", handoff_mode="extend", relay_guard=False),
 ]
 DEFAULT_DEPLOYMENTS = [d.name for d in DEPLOYMENTS if d.relay_guard]
-REQUEST_TIMEOUT_S = 600.0
-WARM_PATIENCE_S = 60.0  # how long a pass's warm-up waits out 503s (Retry-After)
 # One torch thread per server. In production each tier has chips of its own; here P, RLD and MD
 # share the cores, and with a thread per core each (torch's default) every OpenMP barrier of one
 # server waited on a core another server held: MD's steps ran 2.5-3.5x slower while RLD decoded.
 SERVER_ENV = thread_env(prefill=1, decode=1)
-
-
-@dataclass
-class Pace:
-    """One rate's requests (rate None: closed loop at args.concurrency)."""
-
-    rate: float | None
-    trace: list[TraceRequest]
-    prompts: list[list[int]]
-
-
-def request_body(ids: list[int], max_new: int, path: str | None) -> dict:
-    """Greedy, exactly `max_new` tokens (EOS ignored), on `path` (None: the router's choice)."""
-    sampling = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
-    body: dict = {"input_ids": ids, "sampling_params": sampling}
-    if path is not None:
-        body["pdd_path"] = path
-    return body
-
-
-def pass_parts(pdd: PDDDeployment, router: RouterService) -> dict[str, int]:
-    """The process groups whose CPU a pass reports: the servers and the pass's router."""
-    tiers = {"P": pdd.prefill, "RLD": pdd.relay, "MD": pdd.main, "router": router}
-    return {name: p.process.pgid for name, p in tiers.items() if p.process is not None}
-
-
-def run_pass(dep: Deployment, router: RouterService, pdd: PDDDeployment, tb: Testbed,
-             pace: Pace, warm: list[list[int]],
-             args: argparse.Namespace) -> tuple[Run, Outputs]:  # fmt: skip
-    """One deployment's pass over one rate's trace, through `router`: records and each
-    request's output ids."""
-    url = router.url
-    trace, prompts = pace.trace, pace.prompts
-    outputs: Outputs = [None] * len(trace)
-    index = {req.id: i for i, req in enumerate(trace)}
-
-    def send(req: TraceRequest) -> Record:
-        i = index[req.id]
-        body = request_body(prompts[i], min(req.output_tokens, args.max_new), dep.path)
-        got = stream_generate(url, body, timeout=REQUEST_TIMEOUT_S)
-        final = got.final
-        meta = final["meta_info"].get("pdd") or {}
-        outputs[i] = list(final["output_ids"])
-        return Record(len(prompts[i]), req.cached_tokens, None, len(final["output_ids"]),
-                      got.ttft_s, got.total_s, meta.get("path"), meta.get("relay_tokens") or 0,
-                      meta.get("wan_kv_bytes") or 0, path_reason=meta.get("path_reason"),
-                      main_tokens=meta.get("main_tokens") or 0,
-                      handoff_mode=meta.get("handoff_mode"))  # fmt: skip
-
-    for server in pdd.servers():  # each deployment's pass starts cold ...
-        flush_cache(server.url)
-    router_sees_flush(url)
-    for ids in warm:  # ... but for the system prompts, cached in steady state
-        body = request_body(ids, 1, "relay" if dep.path == "relay" else "main")
-        # A pass's outset must not end a run of many passes: an instance the router has just
-        # taken for down (until its next health check) gets its Retry-After.
-        stream_generate(url, body, timeout=REQUEST_TIMEOUT_S, patience_s=WARM_PATIENCE_S)
-    parts = pass_parts(pdd, router)
-    wan = tb.wan.status()
-    before, cpu_before = int(wan["counters"]["a_to_b"]["bytes"]), cpu_by_part(parts)
-    cpu_before["WAN"] = wan["cpu_s"]  # the emulator's packet forwarding, the link's cost here
-    start = time.monotonic()
-    loop = {"concurrency": args.concurrency} if pace.rate is None else {"speed": 1.0}
-    label = dep.name if pace.rate is None else f"{dep.name} @ {pace.rate:g}/s"
-    results = replay(trace, send, **loop, timeout_s=REQUEST_TIMEOUT_S, progress_every=5,
-                     log=lambda line: print(f"[{label}] {line}", flush=True))  # fmt: skip
-    run = Run(dep.name, wall_s=time.monotonic() - start)
-    wan = tb.wan.status()
-    run.wan_link_bytes = int(wan["counters"]["a_to_b"]["bytes"]) - before
-    cpu = {**cpu_by_part(parts), "WAN": wan["cpu_s"]}
-    run.cores = {k: (cpu[k] - cpu_before[k]) / max(run.wall_s, 1e-9) for k in cpu}
-    for res, req in zip(results, trace, strict=True):
-        if res.ok:
-            run.records.append(replace(res.value, start_s=res.start_s))
-        else:
-            run.records.append(Record(req.prompt_tokens, req.cached_tokens, res.start_s,
-                                      error=res.error))  # fmt: skip
-            print(f"[{label}] request {req.id} FAILED: {res.error}", flush=True)
-    return run, outputs
 
 
 def group_routers(deps: list[Deployment], pdd: PDDDeployment, route_ttft: float,
@@ -405,7 +323,17 @@ def main(argv: list[str] | None = None) -> int:
                 for pace in paces:
                     for dep in deps:
                         router = routers[dep.name]
-                        run, out = run_pass(dep, router, pdd, tb, pace, warm, args)
+                        run, out = run_pass(
+                            dep.name,
+                            dep.path,
+                            router,
+                            pdd,
+                            tb,
+                            pace,
+                            warm,
+                            args.max_new,
+                            args.concurrency,
+                        )
                         runs[dep.name][pace.rate], outputs[dep.name][pace.rate] = run, out
                         estimates[dep.name] = router_estimates(router.url)
                 print(f"[{group}] router's estimates: {estimates[deps[-1].name]}", flush=True)

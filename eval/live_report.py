@@ -10,11 +10,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from pdd.eval.live_criteria import NO_GUARD, PDD, SAME_DC, criteria, criteria_table
 from pdd.eval.report import Record, Run, Sla, markdown_table, plot_runs
-
-SAME_DC = "same-DC PD"
-PDD = "PDD"
-NO_GUARD = "PDD no RLD guard"
 
 Outputs = list[list[int] | None]
 
@@ -145,6 +142,10 @@ def report(
             f"{sla.ttft_s:g} s and TPOT P90 <= {sla.tpot_s:g} s (no failures); 0: none.\n\n"
             f"| deployment | req/s |\n| --- | --- |\n{rows}\n"
         )
+    checked = criteria(summaries, goodput, {n: runs[n][first] for n in names if first in runs[n]})
+    if checked:
+        at = "closed loop" if first is None else f"{first:g} req/s"
+        sections.append(f"## What PDD must show, at {at}\n\n{criteria_table(checked)}\n")
     lines = []
     if SAME_DC in summaries:
         base = summaries[SAME_DC]
@@ -169,6 +170,7 @@ def report(
         "sla_goodput_rps": goodput,
         "differences": {n: {str(r): d for r, d in differ[n].items()} for n in names},
         "compare": lines,
+        "criteria": [{**asdict(c), "met": c.met} for c in checked],
     }
     (out / "live.json").write_text(json.dumps(data, indent=1) + "\n")
     plot_runs([runs[n][first] for n in names if first in runs[n]], sla, out / "live.png", title)

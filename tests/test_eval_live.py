@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pdd.eval.__main__ import main
+from pdd.eval.live_criteria import Criterion, paired_e2e_ratio
 from pdd.eval.live_plan import (
     TraceSpec,
     low_hit_burst,
@@ -122,6 +123,23 @@ def test_each_tier_gets_cpus_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None
     netns = Placement("10.0.0.1", ("ip", "netns", "exec", "a"))
     assert netns.on_cpus("0").prefix == ("ip", "netns", "exec", "a", "taskset", "--cpu-list", "0")
     assert netns.on_cpus(None) == netns
+
+
+def test_a_criterion_is_met_on_its_side_of_the_bound_and_never_on_nan() -> None:
+    assert Criterion("x", 1.2, "<= 1.2").met and not Criterion("x", 1.21, "<= 1.2").met
+    assert Criterion("x", 3.0, ">= 3").met and not Criterion("x", 2.9, ">= 3").met
+    assert not Criterion("x", math.nan, "<= 1").met and not Criterion("x", math.nan, ">= 1").met
+
+
+def test_the_paired_e2e_ratio_follows_requests_not_medians() -> None:
+    """Two runs of the same three requests, each 10% slower in the second: the median of the
+    per-request ratios says 1.1, whatever the medians of the two runs do."""
+
+    def run(e2e: list[float]) -> Run:
+        return Run("r", [Record(10, 0, 0.0, 5, 0.1, e) for e in e2e])
+
+    assert paired_e2e_ratio(run([1.1, 4.4, 8.8]), run([1.0, 4.0, 8.0])) == pytest.approx(1.1)
+    assert math.isnan(paired_e2e_ratio(run([]), run([])))
 
 
 def test_sla_goodput_is_the_highest_rate_that_meets_the_sla() -> None:
@@ -238,3 +256,16 @@ def test_the_report_of_a_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "## SLA goodput" in md
     assert "cores used: P 0.50, MD 0.25; TPOT P50 by path: P->RLD->MD 0.050 s (10)" in md
     assert summaries["PDD"]["cores_MD"] == 0.25
+    # The must-show rows this run can check (no cross-DC pass here: those rows are left out).
+    checked = {c["name"]: (round(c["value"], 3), c["met"]) for c in data["criteria"]}
+    assert checked == {
+        "PDD: MD's share of output tokens": (0.9, True),
+        "PDD: RLD's share of output tokens": (0.1, True),
+        "PDD: failed requests": (0.0, True),
+        "PDD: outputs equal to the first deployment's": (1.0, True),
+        "TTFT P99: PDD / same-DC PD": (0.5, True),
+        "E2E P50: PDD / same-DC PD": (round(10.95 / 11.95, 3), True),
+        "E2E per request, median of PDD / same-DC PD": (round(10.95 / 11.95, 3), True),
+        "SLA goodput: PDD / same-DC PD": (2.0, True),
+    }, checked
+    assert "## What PDD must show, at 0.1 req/s" in md
