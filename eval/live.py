@@ -4,7 +4,7 @@
                             | --concurrency N] [--trace FILE] [--scale 0.015] [--max-new 512]
                             [--pool TOKENS] [--burst N] [--rate-mbit 100] [--delay-ms 20]
                             [--ttft-sla 3] [--route-ttft 1.0] [--tpot-sla 0.5] [--dtype float32]
-                            [--out runs/live]
+                            [--no-pin] [--out runs/live]
 
 Needs root. Brings up its own testbed (name `pddlive`): P and RelayDecode (RLD) in datacenter
 A, MainDecode (MD) in B, the PDD router in A, the emulated WAN between them. The same requests
