@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdd.eval.report import Run
@@ -29,6 +28,11 @@ class Criterion:
         if math.isnan(self.value):
             return False
         return self.value <= float(bound) if op == "<=" else self.value >= float(bound)
+
+
+def ratio(a: float, b: float) -> float:
+    """a / b; NaN (never a met target) when b is 0 or not finite."""
+    return a / b if b and math.isfinite(b) else math.nan
 
 
 def paired_e2e_ratio(run: Run, base: Run) -> float:
@@ -55,19 +59,16 @@ def criteria(summaries: dict[str, dict[str, float]], goodput: dict[str, float],
             Criterion("PDD: outputs equal to the first deployment's", pdd["same_output"],
                       ">= 1")]  # fmt: skip
 
-    def ratio(key: str, other: str, op: str, bound: float, label: str,
-              value: Callable[[dict[str, float]], float] | None = None) -> None:  # fmt: skip
+    def against(key: str, other: str, target: str, label: str) -> None:
         if other in summaries:
-            get = value or (lambda s: s[key])
-            base = get(summaries[other])
-            v = get(pdd) / base if base else math.nan
-            rows.append(Criterion(f"{label}: PDD / {other}", v, f"{op} {bound:g}"))
+            v = ratio(pdd[key], summaries[other][key])
+            rows.append(Criterion(f"{label}: PDD / {other}", v, target))
 
-    ratio("ttft_p99", SAME_DC, "<=", 1.2, "TTFT P99")
-    ratio("ttft_p99", CROSS_DC, "<=", 0.5, "TTFT P99")
-    ratio("tpot_p99", CROSS_DC, "<=", 1.2, "TPOT P99")
-    ratio("wan_mb_per_request", CROSS_DC, "<=", 1.05, "WAN bytes")
-    ratio("e2e_p50", SAME_DC, "<=", 1.1, "E2E P50")
+    against("ttft_p99", SAME_DC, "<= 1.2", "TTFT P99")
+    against("ttft_p99", CROSS_DC, "<= 0.5", "TTFT P99")
+    against("tpot_p99", CROSS_DC, "<= 1.2", "TPOT P99")
+    against("wan_mb_per_request", CROSS_DC, "<= 1.05", "WAN bytes")
+    against("e2e_p50", SAME_DC, "<= 1.1", "E2E P50")
     if SAME_DC in runs and PDD in runs:
         rows.append(Criterion(f"E2E per request, median of PDD / {SAME_DC}",
                               paired_e2e_ratio(runs[PDD], runs[SAME_DC]), "<= 1.1"))  # fmt: skip
@@ -76,7 +77,7 @@ def criteria(summaries: dict[str, dict[str, float]], goodput: dict[str, float],
             v = goodput[PDD] / goodput[other] if goodput[other] else math.inf
             rows.append(Criterion(f"SLA goodput: PDD / {other}", v, f">= {bound:g}"))
     if NO_GUARD in summaries:
-        off = summaries[NO_GUARD]["ttft_p99"] / pdd["ttft_p99"]
+        off = ratio(summaries[NO_GUARD]["ttft_p99"], pdd["ttft_p99"])
         rows.append(Criterion("TTFT P99: PDD with the RLD guard off / on", off, ">= 3"))
     return rows
 

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pdd.eval.live_criteria import NO_GUARD, PDD, SAME_DC, criteria, criteria_table
+from pdd.eval.live_criteria import NO_GUARD, PDD, SAME_DC, criteria, criteria_table, ratio
 from pdd.eval.report import Record, Run, Sla, markdown_table, plot_runs
 
 Outputs = list[list[int] | None]
@@ -61,10 +61,6 @@ def sla_goodput(by_rate: dict[float, dict[str, float]], sla: Sla) -> float:
     return max((rate for rate, s in by_rate.items() if meets(s, sla)), default=0.0)
 
 
-def ratio(a: float, b: float) -> float:
-    return a / b if b and math.isfinite(b) else math.nan
-
-
 def compare_line(name: str, s: dict[str, float], base: dict[str, float], goodput: float,
                  base_goodput: float) -> str:  # fmt: skip
     """`pdd md share X rld share Y ttft p99 ratio Z goodput ratio W` (ratios to same-DC PD)."""
@@ -83,8 +79,8 @@ def handoffs(s: dict[str, float]) -> str:
 
 
 def where_time_went(run: Run) -> str:
-    """The cores each part used over the pass (this machine's cores are shared by all) and the
-    TPOT P50 per path (whose decoder's steps, with the stream's way back to the router)."""
+    """The cores each part used over the pass (CPU seconds over its wall time) and the TPOT P50
+    per path (whose decoder's steps, with the stream's way back to the router)."""
     cores = ", ".join(f"{part} {c:.2f}" for part, c in run.cores.items())
     tpot = ", ".join(f"{path} {t:.3f} s ({n})" for path, (t, n) in run.tpot_by_path().items())
     return f"cores used: {cores or 'not measured'}; TPOT P50 by path: {tpot or 'none'}"
