@@ -47,7 +47,8 @@ def test_piece_size_aims_at_one_per_flow_within_bounds() -> None:
     assert len(pieces([(0, 0, 64 * MIB)], 16)) == 16
     assert piece_size(128 * MIB, 1) == 128 * MIB  # one lane: one piece, one round trip
     assert piece_size(4096 * MIB, 1) == MAX_PIECE
-    assert piece_size(100, 16) == MIN_PIECE  # a small write stays whole
+    assert piece_size(100, 16) == MIN_PIECE  # a tiny write stays whole
+    assert piece_size(MIB, 16) == 64 << 10  # a suffix of 1 MiB still uses every lane
 
 
 def test_flows_for_fills_twice_the_bandwidth_delay_product() -> None:
