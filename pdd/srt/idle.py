@@ -8,19 +8,28 @@ control message still wakes them at once. A KV transfer's status change (bootstr
 landed, failed: SGLang's `CommonKVManager.update_status`, called from Mooncake's threads)
 wakes them too, through an eventfd, so the tick can be long: the loop goes round a few dozen
 times a second while it only waits.
+
+Once per stretch of work, when such a server is fully idle again and SGLang's idle leak check
+ran (it skips it while a decoder holds deferred KV releases), it logs IDLE_CHECKED: a test that
+reads the log for leaks waits for that line instead of sleeping and hoping the check has run.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import zmq
+from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.plugins.hook_registry import HookType
 
 from pdd.srt.flags import PddConfig
 from pdd.srt.hooks import Hook
 
+logger = logging.getLogger(__name__)
+
+IDLE_CHECKED = "pdd: fully idle after forward %d, SGLang's leak check ran"
 TICK_MS = 25  # MD's cache-sync flush rides the loop: a longer tick delays the router's view
 FOLLOWER_TICK_MS = 1
 _wake_fd: int | None = None
@@ -67,11 +76,28 @@ def waiter(scheduler: Any) -> Waiter | None:
     return w or None
 
 
+def leak_checked(scheduler: Any) -> bool:
+    """Whether a fully idle `on_idle` ran SGLang's leak check: it skips it with hisparse and on
+    a decoder holding deferred KV releases (those pages are out of the pool by design)."""
+    if scheduler.enable_hisparse:
+        return False
+    if scheduler.disaggregation_mode != DisaggregationMode.DECODE:
+        return True
+    return not scheduler.disagg_decode_transfer_queue.has_pending_deferred_releases()
+
+
 def _after_on_idle(result: None, scheduler: Any) -> None:
     w = waiter(scheduler)
-    # Fully idle: SGLang has just slept (--sleep-on-idle) or must not be slowed down.
-    if w is not None and not scheduler.is_fully_idle():
+    if w is None:
+        return
+    if not scheduler.is_fully_idle():
         w.wait()
+        return
+    # Fully idle: SGLang has just slept (--sleep-on-idle) or must not be slowed down.
+    done = scheduler.forward_ct
+    if scheduler.__dict__.get("_pdd_idle_checked") != done and leak_checked(scheduler):
+        scheduler._pdd_idle_checked = done
+        logger.info(IDLE_CHECKED, done)
 
 
 def _after_update_status(result: None, manager: Any, *args: Any, **kwargs: Any) -> None:
