@@ -269,3 +269,7 @@ def test_the_report_of_a_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str
         "SLA goodput: PDD / same-DC PD": (2.0, True),
     }, checked
     assert "## What PDD must show, at 0.1 req/s" in md
+    assert "## What PDD must show, at 0.2 req/s" in md  # every rate's, the first in "criteria"
+    at_02 = {c["name"]: round(c["value"], 3) for c in data["criteria_by_rate"]["0.2"]}
+    assert at_02["TTFT P99: PDD / same-DC PD"] == 0.5 and len(at_02) == len(checked)
+    assert data["criteria_by_rate"]["0.1"] == data["criteria"]
