@@ -1,5 +1,5 @@
 """What a live run must show about PDD, checked on its own figures: PDD's pass against same-DC PD
-(the deployment it replaces) and cross-DC PD + decode cache (PD across the WAN done well), at the
+(the deployment it replaces) and cross-DC PD + decode cache (PD across the WAN done well), at
 each rate of the run. Each row: the figure, its target, and whether this run met it."""
 
 from __future__ import annotations
