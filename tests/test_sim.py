@@ -243,6 +243,28 @@ def test_paths_follow_auto_path() -> None:
     assert [r.path for r in busy] == ["pdd", "main"], [r.reason for r in busy]
 
 
+def test_without_the_guard_a_full_rld_queues_low_hit_requests(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # RLD with one slot, two low-hit requests at once: guarded, the second goes P->MD; unguarded
+    # it is relayed too and waits for the slot, so its first token comes after the first
+    # request has left RLD (its KV on MD, 1 s at the line's 1e9 B/s).
+    pair = [SimRequest(200.0, 1000, 0, 2000), SimRequest(200.0, 1000, 0, 2000)]
+    small = replace(tier(), max_batch=1)
+    off = toy("pdd", relay=small, path_policy=replace(TOY_POLICY, guard=False))
+    out = simulate(pair, off).results
+    assert [r.path for r in out] == ["pdd", "pdd"], [r.reason for r in out]
+    assert out[1].ttft_s > out[0].ttft_s + 1.0, (out[0].ttft_s, out[1].ttft_s)
+    # The simulator's command line turns it off the same way.
+    args = ["sim", "--workload", "fixed", "--requests", "20", "--rate", "2", "--prompt", "63000",
+            "--hit", "0.3", "--output", "300", "--kinds", "pdd", "--max-batch", "1"]  # fmt: skip
+    assert cli_main([*args, "--json"]) == 0
+    guarded = json.loads(capsys.readouterr().out)["runs"][0]["summary"]["paths"]
+    assert cli_main([*args, "--json", "--no-relay-guard"]) == 0
+    unguarded = json.loads(capsys.readouterr().out)["runs"][0]["summary"]["paths"]
+    assert guarded.get("main", 0) > 0 and unguarded == {"pdd": 20}, (guarded, unguarded)
+
+
 def test_rld_guard_reads_rlds_kv_room_as_the_router_does() -> None:
     # An RLD whose KV pool holds 2000 tokens: room for a 1000-token prompt beside SGLang's
     # 512-token reservation (2000 - 512 = 1488). The second of two low-hit requests arriving
@@ -637,6 +659,9 @@ def test_md_hits_and_the_live_path_policy() -> None:
     assert cfg.relay is not None and cfg.relay.costs is not None
     assert (cfg.relay.max_batch, cfg.relay.costs.kv_capacity_tokens) == (2, 4096)
     assert (cfg.main.max_batch, cfg.decode_reserve_tokens) == (16, 512)
+    # The pass whose router ran with --no-relay-guard is simulated with the guard off.
+    assert cfg.path_policy.guard
+    assert not calib.testbed_config("PDD no RLD guard", f, model, link, doc).path_policy.guard
 
 
 def _group(t0: float, k: int, prompt: int, out: int, tpot: float) -> list[dict[str, object]]:

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from pdd.eval.live_criteria import NO_GUARD
 from pdd.eval.report import Record, Run
 from pdd.eval.report import Sla as LiveSla
 from pdd.eval.sim.config import ClusterConfig, Tier
@@ -42,6 +43,7 @@ KINDS = {  # live deployment -> simulated kind, handoff mode (the live run's), c
     "cross-DC PD + decode cache": ("cache", "extend", "pdd"),
     "PDD": ("pdd", "extend", "pdd"),
     "PDD catch-up": ("pdd", "catchup", "pdd-catchup"),
+    NO_GUARD: ("pdd", "extend", "pdd"),  # its router ran with --no-relay-guard
 }
 PATHS = {"main": "P->MD", "relay": "P->RLD", "pdd": "P->RLD->MD"}  # simulated -> live names
 LATENCY = [f"{m}_p{q}" for m in ("ttft", "tpot", "e2e") for q in (50, 90, 99)]
@@ -132,7 +134,7 @@ def testbed_config(name: str, f: Fit, model: Model, link: Link,
     """The testbed for live deployment `name`: 1 P and 1 MD (same-DC: D), plus 1 RLD for PDD,
     costing what `f` says, with the live run's decode slots (each server's max running
     requests), RLD's KV pool and reservation (what RLD admits and the router's guard reads),
-    handoff mode and the first-token target its router routed by."""
+    handoff mode, the first-token target its router routed by, and its RLD guard on or off."""
     live = live or {}
     kind, mode, group = KINDS[name]
     cap = live.get("capacity_by_group", {}).get(group) or live.get("capacity", {})
@@ -151,7 +153,8 @@ def testbed_config(name: str, f: Fit, model: Model, link: Link,
     estimates = live.get("router_estimates", {}).get(name, {})
     return ClusterConfig(
         kind, p, d, relay if kind == "pdd" else None, model, link,
-        path_policy=PathPolicy(ttft_sla_s=route, singular_max_new=singular),
+        path_policy=PathPolicy(ttft_sla_s=route, singular_max_new=singular,
+                               guard=name != NO_GUARD),
         handoff=HandoffPolicy(mode=mode),
         rdma_latency_s=0.0, md_bootstrap_s=f.wan.bootstrap_s if f.wan is not None else 0.0,
         shared_host_s=f.prefill.shared_host_s,

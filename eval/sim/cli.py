@@ -40,6 +40,7 @@ from pdd.eval.sim.requests import (
 )
 from pdd.eval.sim.simulation import simulate
 from pdd.policy.handoff import MODES, HandoffPolicy
+from pdd.policy.path import PathPolicy
 
 COMMANDS = ("sim", "plan", "repro")
 
@@ -116,6 +117,11 @@ def _add_cluster(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tcp-window-mb", type=float, help="override the per-flow TCP window")
     g.add_argument("--path", choices=("auto", "pdd", "relay", "main"), default="auto")
     g.add_argument("--handoff", choices=MODES, default="auto")
+    g.add_argument(
+        "--no-relay-guard",
+        action="store_true",
+        help="let low-hit requests onto a full RLD (the collapse the guard prevents)",
+    )
     g.add_argument("--hot-set-tokens", type=int, help="reused prefix tokens (MD cache pressure)")
     g.add_argument("--wan-cost", type=float, default=0.33, help="the WAN line, chip-A units")
     s = p.add_argument_group("SLA")
@@ -138,6 +144,7 @@ def _base_config(a: argparse.Namespace, kind: str) -> ClusterConfig:
         link=replace(link, **over),
         path=a.path,
         handoff=HandoffPolicy(mode=a.handoff),
+        path_policy=PathPolicy(guard=not a.no_relay_guard),
         hot_set_tokens=a.hot_set_tokens,
         wan_cost=a.wan_cost,
         seed=a.seed,
