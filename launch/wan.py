@@ -97,11 +97,16 @@ class LinkState:
         return "cut" in self.faults
 
     def current(self) -> LinkParams:
+        """The set link with its faults. The queue keeps its bytes: a router's buffer is memory,
+        so a rate fault makes it hold more link time, not fewer packets (re-sized to the faulted
+        rate, a 0.625 Mbit/s line would queue less than one jumbo frame, drop most packets of
+        a few TCP flows and leave them in RTO backoff for minutes), and a delay fault adds
+        none."""
         rate = self.faults["rate"].value if "rate" in self.faults else self.base.rate_mbit
         extra = self.faults["delay"].value if "delay" in self.faults else 0.0
+        queue_ms = self.base.queue_s * 1000 * self.base.rate_mbit / rate
         return LinkParams(
-            rate, self.base.delay_ms + extra, self.base.jitter_ms, self.base.loss_pct,
-            self.base.queue_ms,
+            rate, self.base.delay_ms + extra, self.base.jitter_ms, self.base.loss_pct, queue_ms
         )  # fmt: skip
 
     def describe(self, now: float) -> dict[str, Any]:

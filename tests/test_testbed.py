@@ -28,7 +28,7 @@ from pdd.eval.bench_wan_mooncake import TARGET_RATIO, transfer, warm_ratio
 from pdd.launch import netns
 from pdd.launch.testbed import RUN_ROOT, Testbed, daemon_pids, scaled_window_mb
 from pdd.launch.testbed import main as cli_main
-from pdd.launch.wan import LinkModel, LinkParams
+from pdd.launch.wan import LinkModel, LinkParams, LinkState
 from pdd.launch.wan_forwarder import RT_PRIORITY
 from tests.marks import needs_root
 
@@ -228,6 +228,22 @@ def test_link_model_times_packets() -> None:
     lossy = LinkModel(random.Random(2))
     kept = [lossy.admit(100, i * 1e-3, LinkParams(loss_pct=10), cut=False) for i in range(2000)]
     assert 150 < kept.count(None) < 250
+
+
+def test_faults_keep_the_queues_bytes() -> None:
+    # 100 Mbit/s with 40 ms of queue is 500 KB of buffer; at 0.625 Mbit/s the same 500 KB is
+    # 6.4 s of link time, so a burst of 9000-byte frames is queued, not dropped.
+    state = LinkState(LinkParams(rate_mbit=100, delay_ms=20))
+    assert state.current().queue_s == pytest.approx(0.04)
+    state.inject("rate", 0.625, None, now=0.0)
+    assert state.current().queue_s == pytest.approx(6.4)
+    model = LinkModel(random.Random(0))
+    outs = [model.admit(9000, 0.0, state.current(), cut=False) for _ in range(16)]
+    assert None not in outs and model.dropped["queue"] == 0
+    # A delay fault adds delay, not buffer.
+    state.restore()
+    state.inject("delay", 100, None, now=0.0)
+    assert (state.current().delay_ms, state.current().queue_s) == (120, pytest.approx(0.04))
 
 
 @needs_root
