@@ -26,6 +26,7 @@ from pdd.launch.servers import SGLangServer
 from pdd.launch.testbed import Testbed
 from tests.conftest import SharedPDD, running
 from tests.idle_checks import after_idle_checks
+from tests.log_checks import tracebacks
 from tests.marks import needs_root
 from tests.test_pd_same_dc import random_ids
 
@@ -233,4 +234,4 @@ def test_no_kv_leaked_anywhere(setup: Setup) -> None:
     after_idle_checks(lambda: setup.shared.logs_since(since))
     for name, log in setup.shared.logs_since(setup.logs_from).items():  # this module's part
         assert "memory leak" not in log, name
-        assert "Traceback" not in log, name
+        assert not tracebacks(log), name

@@ -25,6 +25,7 @@ from pdd.launch.servers import SGLangServer, control_secret_file
 from pdd.launch.testbed import Testbed
 from pdd.launch.wan import LinkParams
 from tests import test_main_decode as md_harness
+from tests.log_checks import tracebacks
 from tests.marks import needs_root
 from tests.test_pd_same_dc import random_ids
 from tests.test_pdd_core import (
@@ -208,4 +209,4 @@ def test_no_kv_slot_leaked_on_any_rank(setup: Setup) -> None:
         flush_cache(server.url, 60)
         log = (server.log_dir / f"{server.name}.log").read_text()
         assert "memory leak" not in log, server.name
-        assert "Traceback" not in log, server.name
+        assert not tracebacks(log), server.name
