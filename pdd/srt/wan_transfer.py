@@ -37,6 +37,11 @@ from pdd.srt.wan_write import MAX_FLOWS, Block, mooncake_env, watchdog_s, write
 logger = logging.getLogger(__name__)
 
 ENV_FLOWS = "PDD_WAN_FLOWS"
+# SGLang's switch that sends a request's aux data (its first token, its metadata) over the
+# connector's ZMQ socket, ahead of the transfer status on that same ordered socket, instead of
+# as a Mooncake write that P waits for: over a WAN that wait is one more round trip before the
+# status leaves, and so before every first token a decoder streams.
+ENV_AUX_OVER_ZMQ = "SGLANG_MOONCAKE_SEND_AUX_TCP"
 # How long a decoder holds the slots of a request whose KV transfer it gave up on, unless P
 # acknowledges the abort first (SGLang's default: 30 s).
 ENV_RELEASE_HOLD = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
@@ -76,8 +81,9 @@ def chooser() -> FlowChooser:
 
 def adjust_wan_args(args: argparse.Namespace) -> None:
     """Passes `--pdd-wan-flows` to this server's processes and Mooncake (unless the user set
-    Mooncake's variables), makes a decoder hold abandoned KV slots past P's write watchdog, and
-    warns when the socket buffers cap each flow low."""
+    Mooncake's variables), sends aux data with the status over TCP (ENV_AUX_OVER_ZMQ), makes a
+    decoder hold abandoned KV slots past P's write watchdog, and warns when the socket buffers
+    cap each flow low."""
     given = str(getattr(args, "pdd_wan_flows", AUTO_FLOWS))
     os.environ[ENV_FLOWS] = given
     n = fixed_flows(given) or MAX_FLOWS  # Mooncake opens a peer's lanes as writes use them
@@ -87,7 +93,10 @@ def adjust_wan_args(args: argparse.Namespace) -> None:
     if mode in (None, "null"):
         return
     backend = getattr(args, "disaggregation_transfer_backend", None)
-    if mode == "decode" and (tcp_transport() or backend == "mooncake_tcp"):
+    tcp = tcp_transport() or backend == "mooncake_tcp"
+    if tcp:
+        os.environ.setdefault(ENV_AUX_OVER_ZMQ, "1")
+    if mode == "decode" and tcp:
         hold_released_slots()
     for key in ("net.ipv4.tcp_wmem", "net.ipv4.tcp_rmem"):
         window = sysctl_max(key)
