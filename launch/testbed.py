@@ -25,8 +25,9 @@ namespace talks to servers in A and B without crossing the WAN.
 
 The link: rate, one-way delay, jitter (uniform, order preserved), random loss, a drop-tail
 queue of one round trip (`--queue-ms`; its bytes, kept under a rate fault). With netem in the
-kernel it is a veth pair with netem on both ends; without it (`--backend tun`, chosen automatically) a user-space forwarder
-(`pdd.launch.wan_forwarder`) moves packets between a TUN device in each namespace. Limits of the
+kernel it is a veth pair with netem on both ends; without it (`--backend tun`, chosen
+automatically) a user-space forwarder (`pdd.launch.wan_forwarder`) moves packets between a TUN
+device in each namespace. Limits of the
 forwarder, measured on a 2-core VM: it is Python, so it costs CPU (this includes the kernel's
 work to deliver each packet into the far namespace): 20-35% of a core at 200 Mbit/s with MTU
 9000, ~75% at MTU 1500; ~75% at 1 Gbit/s (MTU 9000), ~26% at MTU 65000; ~90% at 2 Gbit/s, near
