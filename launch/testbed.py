@@ -23,21 +23,19 @@ management subnet, and the root namespace does not forward. The root namespace r
 addresses through the management veths (host routes), so a router or a test in the root
 namespace talks to servers in A and B without crossing the WAN.
 
-The link: rate, one-way delay, jitter (uniform, order preserved), random loss, a drop-tail
-queue of one round trip (`--queue-ms`; its bytes, kept under a rate fault). With netem in the
-kernel it is a veth pair with netem on both ends; without it (`--backend tun`, chosen
-automatically) a user-space forwarder (`pdd.launch.wan_forwarder`) moves packets between a TUN
-device in each namespace. Limits of the
-forwarder, measured on a 2-core VM: it is Python, so it costs CPU (this includes the kernel's
-work to deliver each packet into the far namespace): 20-35% of a core at 200 Mbit/s with MTU
-9000, ~75% at MTU 1500; ~75% at 1 Gbit/s (MTU 9000), ~26% at MTU 65000; ~90% at 2 Gbit/s, near
-its ceiling. Keep the MTU large (default 9000) so the packet rate stays low. Rates come out
-within ~1% (TCP goodput 198-199 of 200 Mbit/s); a packet is released within ~0.2 ms of its time
-(RTT 40.2-40.4 ms for 40 ms set), later when the machine is overloaded: the daemon runs at
-real-time priority for that reason (nice -10 where refused). Jitter with order preserved lowers
-TCP throughput noticeably. TCP on a long fat link needs large socket buffers: each namespace gets
-net.ipv4.tcp_rmem/tcp_wmem max of 64 MiB (with the kernel defaults a flow stalls near
-450 Mbit/s on 1 Gbit/s at 60 ms RTT).
+The link: rate, one-way delay, jitter (uniform, order preserved), random loss, a drop-tail queue of
+one round trip (`--queue-ms`; its bytes, kept under a rate fault). With netem in the kernel it is a
+veth pair with netem on both ends; without it (`--backend tun`, chosen automatically) a user-space
+forwarder (`pdd.launch.wan_forwarder`) moves packets between a TUN device in each namespace. Limits
+of the forwarder, measured on a 2-core VM: it is Python, so it costs CPU (this includes the kernel's
+work to deliver each packet into the far namespace): 20-35% of a core at 200 Mbit/s with MTU 9000,
+~75% at MTU 1500; ~75% at 1 Gbit/s (MTU 9000), ~26% at MTU 65000; ~90% at 2 Gbit/s, near its
+ceiling. Keep the MTU large (default 9000) so the packet rate stays low. Rates come out within ~1%
+(TCP goodput 198-199 of 200 Mbit/s); a packet is released within ~0.2 ms of its time (RTT 40.2-40.4
+ms for 40 ms set), later when the machine is overloaded: the daemon runs at real-time priority for
+that reason (nice -10 where refused). Jitter with order preserved lowers TCP throughput noticeably.
+TCP on a long fat link needs large socket buffers: each namespace gets net.ipv4.tcp_rmem/tcp_wmem
+max of 64 MiB (with the kernel defaults a flow stalls near 450 Mbit/s on 1 Gbit/s at 60 ms RTT).
 
 `--flow-window-mb W` caps them at W MB instead, in both namespaces: one TCP flow then carries
 at most about W MB per round trip, as a production WAN's flows do with stock Linux windows
